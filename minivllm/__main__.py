@@ -1,0 +1,3 @@
+from minivllm.entrypoints.cli import main
+
+main()

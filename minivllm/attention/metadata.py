@@ -1,0 +1,35 @@
+"""AttentionMetadata: one step's batch, flattened, as every attention backend sees it."""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Tensors describing a step of B sequences with N new (query) tokens in total.
+
+    Sequence b's new tokens are rows query_start_loc[b]:query_start_loc[b+1] of q, and
+    sit at positions seq_lens[b] - query_len_b ... seq_lens[b] - 1 of that sequence: each
+    attends causally to every cached token before it and to the new tokens up to itself.
+    The KV cache is per layer [num_blocks, block_size, num_kv_heads, head_dim]; token t of
+    sequence b lives in block block_tables[b, t // block_size] at offset t % block_size.
+    """
+
+    query_start_loc: torch.Tensor  # [B + 1] int32 (cu_seqlens of the new tokens)
+    seq_lens: torch.Tensor  # [B] int32, context length including the new tokens
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, unused entries 0
+    slot_mapping: torch.Tensor  # [N] int64, where each new token's K/V is stored; -1: skip
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, for the torch backend's per-sequence loop and for kernel launch sizing.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1

@@ -1,0 +1,111 @@
+"""EngineConfig: every engine knob, validated once, up front."""
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str | torch.dtype = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    seed: int = 0
+    load_format: str = "auto"  # "auto": safetensors from the model directory; "dummy": random
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    skip_tokenizer_init: bool = False
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    attention_backend: str = "auto"  # "auto": triton on cuda, torch on cpu
+    # Derived in __post_init__.
+    hf_config: PretrainedConfig = field(init=False, repr=False)
+    torch_dtype: torch.dtype = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not os.path.isdir(self.model):
+            raise ValueError(
+                f"Model directory {self.model!r} does not exist: pass the path of a Hugging Face "
+                "model directory (config.json, *.safetensors, tokenizer files).")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"{self.model!r} has no config.json: is it a Hugging Face model directory?")
+        self.hf_config = AutoConfig.from_pretrained(self.model)
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.attention_backend == "auto":
+            self.attention_backend = "triton" if self.device == "cuda" else "torch"
+        self.torch_dtype = self._resolve_dtype()
+        self._resolve_lengths()
+        self._validate()
+
+    def _resolve_dtype(self) -> torch.dtype:
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        if self.dtype == "auto":
+            config_dtype = getattr(self.hf_config, "dtype", None) or getattr(
+                self.hf_config, "torch_dtype", None) or torch.float32
+            if isinstance(config_dtype, str):
+                config_dtype = _DTYPES[config_dtype]
+            # As vLLM: float32 checkpoints run in bfloat16 on GPUs, where fp32 is rarely wanted.
+            if config_dtype == torch.float32 and self.device == "cuda":
+                return torch.bfloat16
+            return config_dtype
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported: use 'auto', "
+                             "'float32', 'float16' or 'bfloat16'.")
+        return _DTYPES[self.dtype]
+
+    def _resolve_lengths(self) -> None:
+        model_limit = getattr(self.hf_config, "max_position_embeddings", None)
+        if self.max_model_len is None:
+            self.max_model_len = model_limit or 2048
+        elif model_limit is not None and self.max_model_len > model_limit:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's "
+                f"max_position_embeddings={model_limit}: lower max_model_len.")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 8192
+
+    def _validate(self) -> None:
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.load_format not in ("auto", "dummy", "safetensors"):
+            raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}.")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
+        if self.attention_backend not in ("torch", "triton"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}.")
+        if self.attention_backend == "triton" and self.device != "cuda":
+            raise ValueError("attention_backend='triton' needs a CUDA device; use 'torch' on CPU.")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
+        num_kv_heads = getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+        if self.hf_config.num_attention_heads % self.tensor_parallel_size or num_kv_heads % self.tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} must divide the number of attention "
+                f"heads ({self.hf_config.num_attention_heads}) and KV heads ({num_kv_heads}).")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)

@@ -1,0 +1,131 @@
+"""KVCacheManager: fixed-size KV blocks with reference counts, a free pool and prefix caching.
+
+Every *full* block of a sequence gets a chained hash (parent hash + its token ids). When a
+sequence is admitted, the longest chain of cached blocks matching its tokens is reused.
+Blocks whose last owner finished stay in the free pool with their hash and can be hit
+again until they are evicted, least recently freed first. Hits are verified against the
+stored token ids, so a hash collision can never produce wrong output.
+"""
+
+from array import array
+from collections import OrderedDict
+
+import xxhash
+
+from minivllm.engine.sequence import Sequence
+
+
+def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
+    return xxhash.xxh3_128_digest(parent_hash + array("q", token_ids).tobytes())
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        # Blocks with ref count 0, in eviction order (front = evicted first).
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self.block_token_ids: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.cached_blocks: dict[bytes, int] = {}
+        # Prefix-cache statistics, in tokens.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def _full_block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The chained hashes of seq's first num_blocks full blocks (memoised on the sequence)."""
+        bs = self.block_size
+        while len(seq.block_hashes) < num_blocks:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if i else b""
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]))
+        return seq.block_hashes[:num_blocks]
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix of seq, always leaving one token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        # The last token must be computed to produce logits, so it never comes from the cache.
+        max_blocks = (seq.num_tokens - 1) // bs
+        hits = []
+        for i, block_hash in enumerate(self._full_block_hashes(seq, max_blocks)):
+            block_id = self.cached_blocks.get(block_hash)
+            if block_id is None or self.block_token_ids[block_id] != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[int] | None = None) -> bool:
+        """Give seq blocks for num_new_tokens more tokens; False (and no change) if they don't fit.
+
+        cached_prefix (from find_cached_prefix) is only used when seq holds no blocks yet.
+        """
+        admitting = not seq.block_table
+        cached_prefix = cached_prefix if admitting and cached_prefix else []
+        num_computed = len(cached_prefix) * self.block_size if admitting else seq.num_computed_tokens
+        blocks_needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        new_blocks = blocks_needed - len(cached_prefix) - len(seq.block_table)
+        # Cached blocks nobody holds sit in the free queue: taking them uses free capacity too.
+        revived = sum(1 for block_id in cached_prefix if self.ref_counts[block_id] == 0)
+        if new_blocks + revived > self.num_free_blocks:
+            return False
+        if admitting:
+            for block_id in cached_prefix:
+                if self.ref_counts[block_id] == 0:
+                    del self.free_queue[block_id]
+                self.ref_counts[block_id] += 1
+            seq.block_table = list(cached_prefix)
+            seq.num_computed_tokens = num_computed
+            if self.enable_prefix_caching:
+                self.prefix_queries += seq.num_tokens
+                self.prefix_hits += num_computed
+        for _ in range(max(new_blocks, 0)):
+            seq.block_table.append(self._take_free_block())
+        self._cache_full_blocks(seq, num_computed, num_computed + num_new_tokens)
+        return True
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        evicted_hash = self.block_hashes[block_id]
+        if evicted_hash is not None:
+            del self.cached_blocks[evicted_hash]
+            self.block_hashes[block_id] = None
+            self.block_token_ids[block_id] = None
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def _cache_full_blocks(self, seq: Sequence, start_token: int, end_token: int) -> None:
+        """Register the blocks that tokens [start_token, end_token) complete.
+
+        This happens at scheduling time: a sequence admitted later in the same step can
+        already hit them, because every layer stores the step's K/V before attending.
+        """
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        first, last = start_token // bs, end_token // bs
+        hashes = self._full_block_hashes(seq, last)
+        for i in range(first, last):
+            block_id, block_hash = seq.block_table[i], hashes[i]
+            if self.block_hashes[block_id] is None and block_hash not in self.cached_blocks:
+                self.cached_blocks[block_hash] = block_id
+                self.block_hashes[block_id] = block_hash
+                self.block_token_ids[block_id] = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+
+    def free(self, seq: Sequence) -> None:
+        """Release seq's blocks. Its last blocks are queued for eviction first, so shared
+        prefixes (the first blocks) stay cached longest."""
+        for block_id in reversed(seq.block_table):
+            self.ref_counts[block_id] -= 1
+            assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
+            if self.ref_counts[block_id] == 0:
+                self.free_queue[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0

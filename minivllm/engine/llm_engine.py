@@ -1,0 +1,231 @@
+"""LLMEngine: requests in, outputs out, one scheduled step at a time."""
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+
+from minivllm.config import EngineConfig
+from minivllm.engine.detokenizer import IncrementalDetokenizer
+from minivllm.engine.kv_cache_manager import KVCacheManager
+from minivllm.engine.scheduler import Scheduler
+from minivllm.engine.sequence import Sequence
+from minivllm.executor.model_runner import ModelRunner, SampledToken
+from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# A prompt: text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]} dicts.
+PromptType = str | list[int] | dict
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer | None]
+    metrics: RequestMetrics
+    stream: bool  # outputs carry only what is new since the last one
+    # For streaming: how many tokens / logprobs of each sample were already sent.
+    num_sent_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        if not config.skip_tokenizer_init:
+            self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.eos_token_ids = self._eos_token_ids()
+        self.model_runner = ModelRunner(config)
+        self.kv_cache_manager = KVCacheManager(self.model_runner.num_blocks, config.block_size,
+                                               config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv_cache_manager)
+        self.requests: dict[str, Request] = {}
+        self._request_counter = itertools.count()
+        # Tokens processed, for the progress bar's live rates.
+        self.num_prefill_tokens = 0
+        self.num_decode_tokens = 0
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        try:
+            eos = GenerationConfig.from_pretrained(self.config.model).eos_token_id
+        except OSError:  # no generation_config.json
+            eos = getattr(self.config.hf_config, "eos_token_id", None)
+        if eos is not None:
+            ids.update(eos if isinstance(eos, list) else [eos])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def next_request_id(self) -> str:
+        return str(next(self._request_counter))
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    stream: bool = False, arrival_time: float | None = None) -> None:
+        """Validate and queue a request. Raises ValueError (and changes nothing) on bad input."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        prompt_text, prompt_token_ids = self._tokenize(prompt)
+        self._validate(prompt_token_ids, params)
+        params.all_stop_token_ids = set(params.stop_token_ids) | (
+            set() if params.ignore_eos else self.eos_token_ids)
+        seqs, detokenizers = [], []
+        for index in range(params.n):
+            generator = None
+            if params.seed is not None:
+                # Each sample has its own stream, so a seeded request is batch-independent.
+                generator = torch.Generator(device=self.config.device).manual_seed(params.seed + index)
+            seqs.append(Sequence(request_id, index, prompt_token_ids, params, generator))
+            detokenizers.append(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+                                if self.tokenizer is not None else None)
+        request = Request(request_id, prompt_text, prompt_token_ids, params, seqs, detokenizers,
+                          RequestMetrics(arrival_time or time.time()), stream, [0] * params.n)
+        self.requests[request_id] = request
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("A prompt dict needs a 'prompt' (text) or 'prompt_token_ids' key.")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("skip_tokenizer_init=True: pass prompts as {'prompt_token_ids': [...]}.")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"Unsupported prompt type {type(prompt).__name__}: pass a string, a list of "
+                         "token ids, or {'prompt_token_ids': [...]}.")
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        max_len = self.config.max_model_len
+        if not prompt_token_ids:
+            raise ValueError("The prompt is empty: give at least one token.")
+        if len(prompt_token_ids) >= max_len:
+            raise ValueError(
+                f"The prompt has {len(prompt_token_ids)} tokens but max_model_len is {max_len}, which must "
+                "also leave room for at least one generated token: shorten the prompt or raise max_model_len.")
+        vocab_size = self.model_runner.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"Prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size}).")
+        if params.logprobs is not None and params.logprobs > vocab_size:
+            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab_size}.")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}.")
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> dict[str, int]:
+        kv = self.kv_cache_manager
+        return {"prefix_cache_queries": kv.prefix_queries, "prefix_cache_hits": kv.prefix_hits,
+                "num_preemptions": self.scheduler.num_preemptions, "num_free_blocks": kv.num_free_blocks,
+                "num_blocks": kv.num_blocks, "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting)}
+
+    # --- one step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return outputs of the requests that advanced (or finished)."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        now = time.time()
+        for seq in batch.seqs:
+            metrics = self.requests[seq.request_id].metrics
+            metrics.first_scheduled_time = metrics.first_scheduled_time or now
+        sampled = self.model_runner.execute(batch)
+        self.scheduler.update(batch, {s.seq.seq_id: s.token_id for s in sampled})
+        for num_new in batch.num_new_tokens:
+            if num_new > 1:
+                self.num_prefill_tokens += num_new
+            else:
+                self.num_decode_tokens += 1
+        advanced: dict[str, Request] = {}
+        now = time.time()
+        for sample in sampled:
+            request = self.requests[sample.seq.request_id]
+            request.metrics.first_token_time = request.metrics.first_token_time or now
+            self._process_token(request, sample)
+            advanced[request.request_id] = request
+        outputs = []
+        for request in advanced.values():
+            if request.finished:
+                request.metrics.finished_time = now
+                del self.requests[request.request_id]
+            outputs.append(self._make_output(request))
+        return outputs
+
+    def _process_token(self, request: Request, sample: SampledToken) -> None:
+        seq, token, params = sample.seq, sample.token_id, request.params
+        if sample.logprobs is not None:
+            seq.logprobs.append(sample.logprobs)
+            seq.cumulative_logprob += sample.logprobs[token][0]
+        finish_reason, stop_reason = None, None
+        if seq.num_output_tokens >= params.min_tokens:
+            if token in params.stop_token_ids:
+                finish_reason, stop_reason = "stop", token
+            elif not params.ignore_eos and token in self.eos_token_ids:
+                finish_reason = "stop"
+        if finish_reason is None and (seq.num_tokens >= self.config.max_model_len or
+                                      (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)):
+            finish_reason = "length"
+        detokenizer = request.detokenizers[seq.index]
+        if detokenizer is not None:
+            # A stop token's own text is left out unless asked for, as in vLLM.
+            stopped_by_token = finish_reason == "stop" and not params.include_stop_str_in_output
+            stop_string = detokenizer.update([] if stopped_by_token else [token])
+            if stop_string is not None:
+                finish_reason, stop_reason = "stop", stop_string
+        if finish_reason is not None:
+            self.scheduler.finish(seq, finish_reason, stop_reason)
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        completions = []
+        for seq in request.seqs:
+            detokenizer = request.detokenizers[seq.index]
+            start = request.num_sent_tokens[seq.index] if request.stream else 0
+            if request.stream:
+                request.num_sent_tokens[seq.index] = seq.num_output_tokens
+            text = detokenizer.get_next_output_text(seq.is_finished, request.stream) if detokenizer else ""
+            logprobs = None
+            if request.params.logprobs is not None:
+                logprobs = [{token: Logprob(value, rank, self._decode_token(token))
+                             for token, (value, rank) in position.items()} for position in seq.logprobs[start:]]
+            completions.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=seq.output_token_ids[start:],
+                cumulative_logprob=seq.cumulative_logprob if request.params.logprobs is not None else None,
+                logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                             request.finished, request.metrics)
+
+    def _decode_token(self, token: int) -> str | None:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else None

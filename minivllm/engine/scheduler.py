@@ -1,0 +1,111 @@
+"""Scheduler: picks each step's work under a token budget.
+
+Running sequences go first (their decode token, or the next chunk of an unfinished
+prompt), then waiting sequences fill the rest of the budget in FCFS order, their prompts
+split into chunks when long. When KV blocks run out, the most recently admitted running
+sequence is preempted: its blocks are freed and it is recomputed later from the head of
+the waiting queue.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from minivllm.config import EngineConfig
+from minivllm.engine.kv_cache_manager import KVCacheManager
+from minivllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # per sequence, this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.kv_cache_manager = kv_cache_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        preempted = False
+        # 1. Running sequences: decodes and continuing prompt chunks, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv_cache_manager.allocate(seq, num_new):
+                preempted = True
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.add(seq, num_new)
+                budget -= num_new
+                i += 1
+        # 2. Waiting sequences, FCFS; not after a preemption (blocks are short this step).
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached_prefix = self.kv_cache_manager.find_cached_prefix(seq)
+            num_computed = len(cached_prefix) * self.kv_cache_manager.block_size
+            num_new = min(seq.num_tokens - num_computed, budget)
+            if not self.kv_cache_manager.allocate(seq, num_new, cached_prefix):
+                break
+            self.waiting.popleft()
+            if seq.num_output_tokens == 0:
+                seq.num_cached_tokens = num_computed
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.add(seq, num_new)
+            budget -= num_new
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv_cache_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> None:
+        """Advance computed-token counts; append each sampled token (seq_id -> token id)."""
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num_new
+            if seq.seq_id in sampled:
+                seq.token_ids.append(sampled[seq.seq_id])
+
+    def finish(self, seq: Sequence, finish_reason: str, stop_reason: int | str | None = None) -> None:
+        """Finish seq (stopped, length, or aborted) and free its blocks, wherever it is."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        self.kv_cache_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = finish_reason
+        seq.stop_reason = stop_reason

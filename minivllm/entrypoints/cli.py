@@ -1,0 +1,71 @@
+"""`minivllm generate`: generate text from the command line."""
+
+import argparse
+import logging
+import sys
+
+from minivllm.sampling_params import SamplingParams
+
+
+def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("generate", help="generate text for one or more prompts")
+    parser.add_argument("--model", help="Hugging Face model directory (default: a small random demo model)")
+    parser.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    parser.add_argument("--n", type=int, default=1)
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--enforce-eager", action="store_true")
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from minivllm import LLM  # imported late so `--help` is instant
+
+    model = args.model
+    if model is None:
+        from minivllm.demo import demo_model_dir
+        model = demo_model_dir()
+        print(f"No --model given: using a small demo model with RANDOM weights ({model}); "
+              "its text is gibberish. Pass --model DIR for a real Hugging Face model.", file=sys.stderr)
+    prompts = args.prompt or ["The capital of France is", "Once upon a time,"]
+    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
+                            ignore_eos=args.ignore_eos)
+    llm = LLM(model, dtype=args.dtype, max_model_len=args.max_model_len,
+              tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager)
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params)
+    for prompt, output in zip(prompts, outputs):
+        for completion in output.outputs:
+            print(f"Prompt: {prompt!r}\nOutput: {completion.text!r}  ({len(completion.token_ids)} tokens, "
+                  f"finish_reason={completion.finish_reason})\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_generate_parser(subparsers)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "generate":
+            _generate(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""ModelRunner: owns the model and its KV cache; turns a scheduled batch into tensors,
+runs the forward pass and samples the next tokens."""
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from minivllm.attention.metadata import AttentionMetadata
+from minivllm.attention.torch_backend import TorchAttentionBackend
+from minivllm.config import EngineConfig
+from minivllm.engine.scheduler import ScheduledBatch
+from minivllm.engine.sequence import Sequence
+from minivllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
+from minivllm.loader import init_dummy_weights, load_weights
+from minivllm.models.registry import build_model
+from minivllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Share of available RAM the KV cache takes on CPU when kv_cache_memory_bytes is not given.
+_CPU_KV_CACHE_FRACTION = 0.25
+
+
+@dataclass
+class SampledToken:
+    seq: Sequence
+    token_id: int
+    # Token id -> (logprob, rank) for the sampled token and the top-k; None unless asked for.
+    logprobs: dict[int, tuple[float, int]] | None
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # rows of the hidden states to sample from
+    sampled_seqs: list[Sequence]  # their sequences, in that order
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        hf_config = config.hf_config
+        torch.manual_seed(config.seed)
+        start = time.perf_counter()
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = build_model(hf_config, config.max_model_len)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model, config.seed)
+        else:
+            load_weights(self.model, config.model)
+        self.vocab_size = hf_config.vocab_size
+        self.sampler = Sampler()
+        self.backend = self._make_attention_backend()
+        logger.info("Loaded weights in %.1f s", time.perf_counter() - start)
+        self.num_blocks = self._num_kv_blocks()
+        self._allocate_kv_cache(self.num_blocks)
+
+    # --- set-up -----------------------------------------------------------------------------
+
+    def _make_attention_backend(self) -> object:
+        if self.config.attention_backend == "triton":
+            from minivllm.attention.triton_backend import TritonAttentionBackend
+            return TritonAttentionBackend()
+        return TorchAttentionBackend()
+
+    def _kv_bytes_per_block(self) -> int:
+        attn = self.model.attention_layers()[0]
+        per_token = 2 * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize
+        return per_token * self.block_size * len(self.model.attention_layers())
+
+    def _num_kv_blocks(self) -> int:
+        config = self.config
+        block_bytes = self._kv_bytes_per_block()
+        if config.kv_cache_memory_bytes is not None:
+            budget = config.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = self._profile_free_gpu_memory()
+        else:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = int(available * _CPU_KV_CACHE_FRACTION)
+            # No point holding more than every sequence at full length.
+            budget = min(budget, config.max_num_seqs * config.max_blocks_per_seq * block_bytes)
+        num_blocks = budget // block_bytes
+        if num_blocks < config.max_blocks_per_seq:
+            raise ValueError(
+                f"The KV cache has room for {num_blocks * self.block_size} tokens, less than one sequence "
+                f"of max_model_len={config.max_model_len}: lower max_model_len, or give the cache more "
+                "memory (gpu_memory_utilization / kv_cache_memory_bytes).")
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), at most %.1f sequences of max_model_len",
+                    num_blocks, self.block_size, num_blocks * block_bytes / 2**30,
+                    num_blocks / config.max_blocks_per_seq)
+        return num_blocks
+
+    def _profile_free_gpu_memory(self) -> int:
+        """Run the largest step on a throwaway cache; the KV cache gets what is left of
+        gpu_memory_utilization of the device."""
+        config = self.config
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        num_tokens = config.max_num_batched_tokens
+        seq_len = min(config.max_model_len, num_tokens)
+        num_seqs = -(-num_tokens // seq_len)
+        blocks_per_seq = -(-seq_len // self.block_size)
+        self._allocate_kv_cache(num_seqs * blocks_per_seq)
+        batch = ScheduledBatch()
+        for i in range(num_seqs):
+            seq = Sequence("profile", 0, [0] * seq_len, SamplingParams())
+            seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+            batch.add(seq, min(seq_len, num_tokens - i * seq_len))
+        inputs = self.prepare_inputs(batch)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        # The sampler's largest working set: logits for max_num_seqs rows.
+        rows = hidden[:1].expand(config.max_num_seqs, -1)
+        logits = self.model.compute_logits(rows)
+        torch.softmax(logits.float(), dim=-1).sort(dim=-1)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del hidden, logits, inputs
+        self._free_kv_cache()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        used_by_others = total - free - torch.cuda.memory_allocated()
+        budget = int(total * config.gpu_memory_utilization) - peak - used_by_others
+        logger.info("Profiled peak %.2f GiB; %.2f GiB left for the KV cache", peak / 2**30, budget / 2**30)
+        return max(budget, 0)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
+        layers = self.model.attention_layers()
+        attn = layers[0]
+        # One allocation for all layers' K and V (DESIGN: carved from one tensor).
+        self.kv_cache = torch.empty(2, len(layers), num_blocks, self.block_size, attn.num_kv_heads,
+                                    attn.head_dim, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            layer.backend = self.backend
+
+    def _free_kv_cache(self) -> None:
+        for layer in self.model.attention_layers():
+            layer.k_cache = layer.v_cache = torch.empty(0)
+        del self.kv_cache
+
+    # --- one step ---------------------------------------------------------------------------
+
+    def prepare_inputs(self, batch: ScheduledBatch) -> ModelInputs:
+        bs = self.block_size
+        num_new = np.array(batch.num_new_tokens, dtype=np.int64)
+        computed = np.array([seq.num_computed_tokens for seq in batch.seqs], dtype=np.int64)
+        seq_lens = computed + num_new
+        query_start_loc = np.zeros(len(batch) + 1, dtype=np.int64)
+        np.cumsum(num_new, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        # Position of every new token: its sequence's computed count plus its offset in the chunk.
+        row_of_token = np.repeat(np.arange(len(batch)), num_new)
+        positions = computed[row_of_token] + np.arange(num_tokens) - query_start_loc[row_of_token]
+        input_ids = np.fromiter(
+            (t for seq, c, n in zip(batch.seqs, computed, num_new) for t in seq.token_ids[c:c + n]),
+            dtype=np.int64, count=num_tokens)
+        max_blocks = max(len(seq.block_table) for seq in batch.seqs)
+        block_tables = np.zeros((len(batch), max_blocks), dtype=np.int32)
+        for i, seq in enumerate(batch.seqs):
+            block_tables[i, :len(seq.block_table)] = seq.block_table
+        slot_mapping = block_tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        # Sample where a sequence's last known token is computed this step.
+        sampled = seq_lens == np.array([seq.num_tokens for seq in batch.seqs])
+        logits_indices = query_start_loc[1:][sampled] - 1
+
+        def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            tensor = torch.from_numpy(array).to(dtype)
+            if self.device.type == "cuda":
+                tensor = tensor.pin_memory()
+            return tensor.to(self.device, non_blocking=True)
+
+        meta = AttentionMetadata(
+            query_start_loc=to_device(query_start_loc, torch.int32),
+            seq_lens=to_device(seq_lens, torch.int32),
+            block_tables=to_device(block_tables, torch.int32),
+            slot_mapping=to_device(slot_mapping, torch.int64),
+            max_query_len=int(num_new.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=query_start_loc.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        return ModelInputs(
+            input_ids=to_device(input_ids, torch.int64),
+            positions=to_device(positions, torch.int64),
+            meta=meta,
+            logits_indices=to_device(logits_indices, torch.int64),
+            sampled_seqs=[seq for seq, s in zip(batch.seqs, sampled) if s],
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
+        inputs = self.prepare_inputs(batch)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if not inputs.sampled_seqs:
+            return []
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        rows = [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator)
+                for seq in inputs.sampled_seqs]
+        sampling_meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
+        out = self.sampler(logits, sampling_meta)
+        token_ids = out.sampled_token_ids.tolist()
+        logprobs: list[dict[int, tuple[float, int]] | None] = [None] * len(token_ids)
+        if out.logprobs is not None:
+            logprobs = self._logprob_dicts(inputs.sampled_seqs, out.logprob_token_ids.tolist(),
+                                           out.logprobs.tolist(), out.sampled_token_ranks.tolist())
+        return [SampledToken(seq, token, lp) for seq, token, lp in zip(inputs.sampled_seqs, token_ids, logprobs)]
+
+    @staticmethod
+    def _logprob_dicts(seqs: list[Sequence], ids: list[list[int]], values: list[list[float]],
+                       sampled_ranks: list[int]) -> list[dict[int, tuple[float, int]] | None]:
+        """Per sequence: the sampled token and its requested top-k, as id -> (logprob, rank)."""
+        result: list[dict[int, tuple[float, int]] | None] = []
+        for seq, row_ids, row_values, sampled_rank in zip(seqs, ids, values, sampled_ranks):
+            k = seq.params.logprobs
+            if k is None:
+                result.append(None)
+                continue
+            entries = {row_ids[0]: (row_values[0], sampled_rank)}
+            for rank, (token, value) in enumerate(zip(row_ids[1:k + 1], row_values[1:k + 1]), start=1):
+                entries.setdefault(token, (value, rank))
+            result.append(entries)
+        return result

@@ -1,0 +1,61 @@
+"""Linear layers, sharded for tensor parallelism, that load Hugging Face weights.
+
+Column-parallel layers split the output features across ranks; row-parallel layers
+split the input features and all-reduce. Packed layers (qkv, gate_up) load several
+checkpoint tensors into one weight, each into its own slice.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.executor.distributed import all_reduce, tp_rank, tp_size
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__()
+        tp = tp_size()
+        assert all(size % tp == 0 for size in output_sizes), "output size not divisible by tp size"
+        # Local (per-rank) size of each packed part, in checkpoint order.
+        self.local_sizes = [size // tp for size in output_sizes]
+        self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), input_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)), requires_grad=False) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: int = 0) -> None:
+        """Copy this rank's rows of checkpoint tensor number `part` into its slice."""
+        size = self.local_sizes[part]
+        offset = sum(self.local_sizes[:part])
+        shard = loaded.narrow(0, tp_rank() * size, size)
+        param.data.narrow(0, offset, size).copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Packed q, k, v projections (checkpoint parts 0, 1, 2)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False) -> None:
+        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim,
+                                       num_kv_heads * head_dim], bias)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        assert input_size % tp_size() == 0, "input size not divisible by tp size"
+        self.local_input_size = input_size // tp_size()
+        self.weight = nn.Parameter(torch.empty(output_size, self.local_input_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: int = 0) -> None:
+        if param.dim() == 2:
+            loaded = loaded.narrow(1, tp_rank() * self.local_input_size, self.local_input_size)
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The bias is added once, after the reduction, not on every rank.
+        y = all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y

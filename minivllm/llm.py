@@ -1,0 +1,80 @@
+"""LLM: the offline facade, as in vLLM: generate() and chat()."""
+
+import time
+from collections.abc import Sequence as SequenceABC
+
+from tqdm import tqdm
+
+from minivllm.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine, PromptType
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+Conversation = list[dict[str, str]]
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs: object) -> None:
+        """kwargs: EngineConfig's fields (vLLM's names): dtype, max_model_len, max_num_seqs, ..."""
+        self.llm_engine = LLMEngine(EngineConfig(model, **kwargs))
+
+    def get_tokenizer(self):  # noqa: ANN201 (a transformers tokenizer)
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | SequenceABC[PromptType],
+                 sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts: "
+                                 "pass one, or one per prompt.")
+        engine = self.llm_engine
+        request_ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = engine.next_request_id()
+                engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+        except ValueError:
+            for request_id in request_ids:  # leave the engine as it was
+                engine.abort_request(request_id)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages: Conversation | list[Conversation],
+             sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("This model's tokenizer has no chat template: use generate() with a prompt.")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)}
+            for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        progress = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        start = time.perf_counter()
+        prefill_start, decode_start = engine.num_prefill_tokens, engine.num_decode_tokens
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+                    progress.update(1)
+            elapsed = max(time.perf_counter() - start, 1e-9)
+            progress.set_postfix_str(
+                f"prefill {(engine.num_prefill_tokens - prefill_start) / elapsed:.0f} tok/s, "
+                f"decode {(engine.num_decode_tokens - decode_start) / elapsed:.0f} tok/s", refresh=False)
+        progress.close()
+        return [finished[request_id] for request_id in request_ids]

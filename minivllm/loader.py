@@ -1,0 +1,70 @@
+"""Load weights from a Hugging Face model directory's safetensors files (or make random ones)."""
+
+import glob
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from minivllm.models.llama import PACKED_MODULES
+
+
+def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, part: int = 0) -> None:
+    param.data.copy_(loaded)
+
+
+def _safetensors_files(model_dir: str) -> list[str]:
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, name) for name in names]
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ValueError(f"No *.safetensors files in {model_dir!r}: minivllm loads safetensors checkpoints "
+                         "(or use load_format='dummy' for random weights).")
+    return files
+
+
+def load_weights(model: nn.Module, model_dir: str) -> None:
+    params = dict(model.named_parameters())
+    loaded_names: set[str] = set()
+    for path in _safetensors_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if "rotary_emb.inv_freq" in name:
+                    continue
+                if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
+                    continue  # tied: the embedding's weight is the head's
+                target, part = name, 0
+                for fragment, (packed, index) in PACKED_MODULES.items():
+                    if f".{fragment}." in name:
+                        target, part = name.replace(fragment, packed), index
+                        break
+                if target not in params:
+                    raise ValueError(f"Checkpoint tensor {name!r} has no place in the model: "
+                                     "is config.json's architecture right for these weights?")
+                param = params[target]
+                # Sharded and packed layers know where their slice of a tensor goes.
+                owner = model.get_submodule(target.rsplit(".", 1)[0])
+                loader = getattr(owner, "weight_loader", _default_weight_loader)
+                loader(param, f.get_tensor(name).to(param.dtype), part)
+                loaded_names.add(target)
+    missing = set(params) - loaded_names
+    if getattr(model, "tie_word_embeddings", False):
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ValueError(f"The checkpoint in {model_dir!r} lacks weights for: {', '.join(sorted(missing))}.")
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Small random weights, as vLLM's load_format='dummy': for speed tests, not for text."""
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.data.fill_(1.0)
+        else:
+            generator = torch.Generator(device=param.device).manual_seed(seed)
+            param.data.uniform_(-1e-3, 1e-3, generator=generator)
+            seed += 1

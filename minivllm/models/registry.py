@@ -1,0 +1,34 @@
+"""Hugging Face architecture name -> model class and flags."""
+
+from transformers import PretrainedConfig
+
+from minivllm.models.llama import ArchitectureFlags, LlamaForCausalLM
+
+
+def _llama_flags(config: PretrainedConfig) -> ArchitectureFlags:
+    return ArchitectureFlags(qkv_bias=bool(getattr(config, "attention_bias", False)), qk_norm=False)
+
+
+_ARCHITECTURES = {
+    "LlamaForCausalLM": _llama_flags,
+    "MistralForCausalLM": _llama_flags,
+    "Qwen2ForCausalLM": lambda config: ArchitectureFlags(qkv_bias=True, qk_norm=False),
+    "Qwen3ForCausalLM": lambda config: ArchitectureFlags(
+        qkv_bias=bool(getattr(config, "attention_bias", False)), qk_norm=True),
+}
+
+SUPPORTED_ARCHITECTURES = sorted(_ARCHITECTURES)
+
+
+def build_model(config: PretrainedConfig, max_position: int) -> LlamaForCausalLM:
+    """An empty (uninitialised) model for config's architecture, on the default device."""
+    architectures = getattr(config, "architectures", None) or []
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if window is not None and max_position > window:
+        raise ValueError(f"This model uses sliding-window attention (window {window}), which minivllm "
+                         f"does not implement: set max_model_len <= {window}.")
+    for name in architectures:
+        if name in _ARCHITECTURES:
+            return LlamaForCausalLM(config, _ARCHITECTURES[name](config), max_position)
+    raise ValueError(f"Model architecture {architectures or '(none in config.json)'} is not supported. "
+                     f"Supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}.")

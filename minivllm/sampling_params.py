@@ -1,0 +1,78 @@
+"""SamplingParams: how to pick each next token and when to stop (vLLM's names and defaults)."""
+
+from dataclasses import dataclass, field
+
+# Below this temperature sampling is treated as greedy, as in vLLM.
+GREEDY_EPSILON = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    # Filled in by the engine from the tokenizer / generation config: EOS and friends.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(message: str) -> None:
+            raise ValueError(f"SamplingParams: {message}")
+
+        if self.n < 1:
+            fail(f"n must be at least 1, got {self.n}.")
+        if self.temperature < 0.0:
+            fail(f"temperature must be >= 0 (0 means greedy), got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            fail(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 0:
+            fail(f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail(f"min_p must be in [0, 1], got {self.min_p}.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            fail(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            fail(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if self.repetition_penalty <= 0.0:
+            fail(f"repetition_penalty must be > 0 (1 means none), got {self.repetition_penalty}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            fail(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            fail(f"min_tokens must be >= 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).")
+        if self.logprobs is not None and self.logprobs < 0:
+            fail(f"logprobs must be >= 0, got {self.logprobs}.")
+        if any(not s for s in self.stop):
+            fail("stop strings must not be empty.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPSILON
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)

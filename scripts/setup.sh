@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create .venv (once) with the CPU build of torch and minivllm installed in editable mode.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+# torch first, pinned, so pip takes the CPU build on disk instead of a multi-GB CUDA one.
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "torch==2.13.0"
+.venv/bin/python -c "import minivllm, pytest, hypothesis, triton" 2>/dev/null \
+    || .venv/bin/pip install -q -e ".[test]"
