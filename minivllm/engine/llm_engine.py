@@ -201,8 +201,7 @@ class LLMEngine:
         detokenizer = request.detokenizers[seq.index]
         if detokenizer is not None:
             # A stop token's own text is left out unless asked for, as in vLLM.
-            stopped_by_token = finish_reason == "stop" and not params.include_stop_str_in_output
-            stop_string = detokenizer.update([] if stopped_by_token else [token])
+            stop_string = detokenizer.update([token], stop_terminated=finish_reason == "stop")
             if stop_string is not None:
                 finish_reason, stop_reason = "stop", stop_string
         if finish_reason is not None:

@@ -1,0 +1,346 @@
+"""Sampler: pick each sequence's next token from the logits, batched on device (vLLM v1 semantics).
+
+One step, for a batch of B rows of logits [B, V]:
+
+1. logprobs, when any row asks, come from the RAW logits (log_softmax before anything below).
+2. min_tokens: until a row has min_tokens outputs, its stop tokens (and EOS) are set to -inf.
+3. penalties: repetition (prompt or output tokens), frequency and presence (output tokens).
+4. greedy rows (temperature ~ 0) take the argmax of the penalised logits.
+5. random rows: divide by temperature, then min_p, top_k, top_p, then sample with the
+   exponential race (argmax of probs / Exp(1) noise), which equals sampling from probs.
+   A seeded row draws its noise from its own generator, so its tokens do not depend on
+   what else is in the batch or where its row is.
+
+Nothing loops over the vocabulary in Python; the only Python loops are over rows when
+building the metadata and over seeded rows for their generators.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from minivllm.sampling_params import GREEDY_EPSILON, SamplingParams
+
+# top-p normally needs a sort of the whole vocabulary. When every top-p row also has a
+# top_k no larger than this, torch.topk of that size already holds every candidate.
+_MAX_TOP_K_WITHOUT_FULL_SORT = 1024
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingRow:
+    """One sequence's inputs for this step (host side)."""
+
+    params: SamplingParams
+    # Read only for rows with penalties. A numpy int64 array (say, the prompt cached once
+    # per sequence) skips the per-step conversion of Python ints.
+    prompt_token_ids: Sequence[int] | np.ndarray
+    output_token_ids: Sequence[int] | np.ndarray
+    generator: torch.Generator | None = None  # seeded requests; on the model's device
+
+
+@dataclass
+class SamplingMetadata:
+    """Device tensors for one step. Optional tensors are None when no row needs them,
+    so the sampler skips that work entirely."""
+
+    vocab_size: int
+    # [B] float32. Greedy rows hold 1.0 (their value is never used; dividing stays harmless).
+    temperature: torch.Tensor
+    all_greedy: bool
+    all_random: bool
+    greedy_mask: torch.Tensor | None  # [B] bool; None when all_greedy or all_random
+
+    # Filters, for random rows only (greedy rows are set to "off" in every one of them).
+    top_k: torch.Tensor | None  # [B] int64 in [0, V]; 0 = off
+    max_top_k: int  # max over rows of top_k (host side: sizes torch.topk without a sync)
+    top_p: torch.Tensor | None  # [B] float32; 1.0 = off
+    sort_full_vocab: bool  # top-p needs a full sort (some top-p row has no small top_k)
+    min_p: torch.Tensor | None  # [B] float32; 0.0 = off
+
+    # Penalties. output_token_ids / frequency / presence are set together when any row has
+    # a penalty; prompt_token_ids / repetition only when some row has repetition_penalty != 1.
+    output_token_ids: torch.Tensor | None  # [B, Lo] int64, padded with vocab_size
+    frequency_penalty: torch.Tensor | None  # [B] float32
+    presence_penalty: torch.Tensor | None  # [B] float32
+    prompt_token_ids: torch.Tensor | None  # [B, Lp] int64, padded with vocab_size
+    repetition_penalty: torch.Tensor | None  # [B] float32
+
+    # min_tokens: the (row, token) pairs to block this step.
+    min_tokens_rows: torch.Tensor | None  # [M] int64
+    min_tokens_token_ids: torch.Tensor | None  # [M] int64
+
+    generators: dict[int, torch.Generator]  # row -> generator, seeded random rows only
+    max_num_logprobs: int | None  # max over rows of params.logprobs; None: nobody asks
+
+    @classmethod
+    def build(cls, rows: list[SamplingRow], vocab_size: int,
+              device: torch.device | str) -> SamplingMetadata:
+        device = torch.device(device)
+        params = [row.params for row in rows]
+        num_rows = len(rows)
+
+        # One pass over the rows, one array for every float parameter (it travels to the
+        # device in one copy; the rows below are views). float64 first, so that "greedy"
+        # is decided exactly as SamplingParams.greedy decides it.
+        float_params = np.array([(p.temperature, p.top_p, p.min_p, p.presence_penalty,
+                                  p.frequency_penalty, p.repetition_penalty) for p in params],
+                                dtype=np.float64).reshape(num_rows, 6)
+        greedy = float_params[:, 0] < GREEDY_EPSILON
+        floats = np.ascontiguousarray(float_params.T, dtype=np.float32)
+        temperature, top_p, min_p, presence, frequency, repetition = floats
+        top_k = np.minimum(np.fromiter((p.top_k for p in params), dtype=np.int64, count=num_rows),
+                           vocab_size)
+        # Greedy rows ignore temperature and filters; turning them off here also means a
+        # batch whose only top-k rows are greedy does no top-k work at all.
+        temperature[greedy] = 1.0
+        top_k[greedy] = 0
+        top_p[greedy] = 1.0
+        min_p[greedy] = 0.0
+
+        use_top_k = bool(top_k.any())
+        use_top_p = bool((top_p < 1.0).any())
+        use_min_p = bool((min_p > 0.0).any())
+        has_penalties = (presence != 0.0) | (frequency != 0.0) | (repetition != 1.0)
+        use_penalties = bool(has_penalties.any())
+        use_repetition = bool((repetition != 1.0).any())
+        max_top_k = int(top_k.max()) if use_top_k else 0
+        top_p_rows = top_p < 1.0
+        sort_full_vocab = use_top_p and bool(
+            (top_k[top_p_rows] == 0).any() or max_top_k > _MAX_TOP_K_WITHOUT_FULL_SORT)
+
+        # temperature, top_p, ... are views of floats: the greedy edits above are in it.
+        device_floats = _to_device(floats, device)
+        all_greedy = bool(greedy.all())
+        all_random = not bool(greedy.any())
+
+        output_ids = prompt_ids = None
+        if use_penalties:
+            output_ids = _to_device(_pad_token_ids(
+                [row.output_token_ids if has_penalties[i] else () for i, row in enumerate(rows)],
+                vocab_size), device)
+        if use_repetition:
+            # Only rows with a repetition penalty need their (possibly long) prompt.
+            prompt_ids = _to_device(_pad_token_ids(
+                [row.prompt_token_ids if repetition[i] != 1.0 else () for i, row in enumerate(rows)],
+                vocab_size), device)
+
+        min_rows, min_tokens = _min_tokens_pairs(rows, vocab_size)
+
+        return cls(
+            vocab_size=vocab_size,
+            temperature=device_floats[0],
+            all_greedy=all_greedy,
+            all_random=all_random,
+            greedy_mask=None if all_greedy or all_random else _to_device(greedy, device),
+            top_k=_to_device(top_k, device) if use_top_k else None,
+            max_top_k=max_top_k,
+            top_p=device_floats[1] if use_top_p else None,
+            sort_full_vocab=sort_full_vocab,
+            min_p=device_floats[2] if use_min_p else None,
+            output_token_ids=output_ids,
+            frequency_penalty=device_floats[4] if use_penalties else None,
+            presence_penalty=device_floats[3] if use_penalties else None,
+            prompt_token_ids=prompt_ids,
+            repetition_penalty=device_floats[5] if use_repetition else None,
+            min_tokens_rows=None if min_rows is None else _to_device(min_rows, device),
+            min_tokens_token_ids=None if min_tokens is None else _to_device(min_tokens, device),
+            generators={i: row.generator for i, row in enumerate(rows)
+                        if row.generator is not None and not greedy[i]},
+            max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None),
+                                 default=None),
+        )
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        # Pinned memory makes the copy truly asynchronous; the caching host allocator keeps
+        # the buffer alive until the copy has finished.
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def _pad_token_ids(lists: Sequence[Sequence[int] | np.ndarray], pad: int) -> np.ndarray:
+    """Ragged token-id lists -> [len(lists), max_len] int64, padded with pad (= vocab_size,
+    which lands in a spare column that the sampler drops). Converting Python ints costs
+    ~0.1 us each; rows given as numpy arrays (e.g. a prompt cached by the engine) are free."""
+    lengths = [len(ids) for ids in lists]
+    out = np.full((len(lists), max(lengths, default=0) or 1), pad, dtype=np.int64)
+    for i, ids in enumerate(lists):  # over rows, not tokens: numpy converts each row in C
+        out[i, :lengths[i]] = ids
+    return out
+
+
+def _min_tokens_pairs(rows: list[SamplingRow],
+                      vocab_size: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(row, token) pairs to block: rows still short of min_tokens, their stop token ids plus
+    all_stop_token_ids (EOS and friends, as the engine filled them; vLLM blocks these even
+    with ignore_eos)."""
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    for i, row in enumerate(rows):
+        p = row.params
+        if len(row.output_token_ids) >= p.min_tokens:
+            continue
+        blocked = [t for t in set(p.stop_token_ids) | p.all_stop_token_ids if 0 <= t < vocab_size]
+        row_ids += [i] * len(blocked)
+        token_ids += blocked
+    if not row_ids:
+        return None, None
+    return np.array(row_ids, dtype=np.int64), np.array(token_ids, dtype=np.int64)
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    # [B, 1 + max_num_logprobs]: column 0 the sampled token, then the top-k by logprob.
+    logprob_token_ids: torch.Tensor | None  # int64
+    logprobs: torch.Tensor | None  # float32, matching logprob_token_ids
+    sampled_token_ranks: torch.Tensor | None  # [B] int64, rank of the sampled token (1 = best)
+
+
+class Sampler(torch.nn.Module):
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        # Raw logprobs first, before anything changes the logits (vLLM's default).
+        raw_logprobs = (torch.log_softmax(logits.float(), dim=-1)
+                        if meta.max_num_logprobs is not None else None)
+        logits = self.penalised_logits(logits, meta)
+        sampled = self.sample(logits, meta)
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None, None, None)
+        token_ids, logprobs, ranks = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
+        return SamplerOutput(sampled, token_ids, logprobs, ranks)
+
+    # The steps, public so tests (and debugging) can look at each stage.
+
+    def penalised_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """A float32 copy of logits with min_tokens blocking and penalties applied. Every later
+        step works in place on this copy; the caller's logits are never modified."""
+        # Padding ids equal vocab_size must land outside the real vocabulary.
+        assert logits.shape[-1] == meta.vocab_size, (logits.shape, meta.vocab_size)
+        logits = logits.to(torch.float32, copy=True)
+        if meta.min_tokens_rows is not None:
+            logits[meta.min_tokens_rows, meta.min_tokens_token_ids] = _NEG_INF
+        if meta.output_token_ids is not None:
+            logits = apply_penalties(logits, meta)
+        return logits
+
+    def processed_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The logits each row samples from: random rows sample softmax of their row, greedy
+        rows (temperature 1, no filters) take its argmax. Filtered-out tokens are -inf."""
+        return self.filter_logits(self.penalised_logits(logits, meta), meta)
+
+    def filter_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Temperature, then min_p, top_k, top_p (in place on penalised logits)."""
+        logits.div_(meta.temperature.unsqueeze(1))
+        if meta.min_p is not None:
+            # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p); log(0) = -inf is off.
+            threshold = logits.amax(dim=-1, keepdim=True) + meta.min_p.log().unsqueeze(1)
+            logits.masked_fill_(logits < threshold, _NEG_INF)
+        if meta.top_k is not None or meta.top_p is not None:
+            cutoff = _top_k_top_p_cutoff(logits, meta)
+            logits.masked_fill_(logits < cutoff.unsqueeze(1), _NEG_INF)
+        return logits
+
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Next token per row from penalised logits (consumed in place)."""
+        greedy = None if meta.all_random else logits.argmax(dim=-1)
+        if meta.all_greedy:
+            return greedy
+        probs = self.filter_logits(logits, meta).softmax(dim=-1)
+        sampled = _exponential_race(probs, meta.generators)
+        if meta.all_random:
+            return sampled
+        return torch.where(meta.greedy_mask, greedy, sampled)
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Repetition (tokens in prompt or output: positive logits divided, others multiplied),
+    then frequency * count and presence * (count > 0) over output tokens, both subtracted."""
+    num_rows, vocab = logits.shape
+    output_ids = meta.output_token_ids
+    # Padding ids equal vocab: they count into a spare last column, dropped afterwards.
+    counts = torch.zeros(num_rows, vocab + 1, dtype=torch.float32, device=logits.device)
+    counts.scatter_add_(1, output_ids, torch.ones(output_ids.shape, dtype=torch.float32,
+                                                  device=logits.device))
+    counts = counts[:, :vocab]
+    in_output = counts > 0
+    if meta.repetition_penalty is not None:
+        seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=logits.device)
+        seen.scatter_(1, meta.prompt_token_ids, True)
+        seen = seen[:, :vocab] | in_output
+        penalty = torch.where(seen, meta.repetition_penalty.unsqueeze(1), 1.0)
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits -= meta.frequency_penalty.unsqueeze(1) * counts
+    logits -= meta.presence_penalty.unsqueeze(1) * in_output
+    return logits
+
+
+def _top_k_top_p_cutoff(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Per-row logit cutoff [B]: keep tokens with logit >= cutoff (ties with the cutoff stay).
+
+    The candidates are the row's logits in descending order: torch.topk of max_top_k when
+    that holds every candidate (top-k alone, or every top-p row also has a small top_k),
+    else a full sort. The kept set is always a prefix of that order, so one cutoff value
+    per row describes it and we never scatter a sorted tensor back."""
+    if meta.sort_full_vocab:
+        candidates = logits.sort(dim=-1, descending=True).values
+    else:
+        candidates = logits.topk(meta.max_top_k, dim=-1).values
+    num_candidates = candidates.shape[1]
+    cutoff = torch.full((logits.shape[0],), _NEG_INF, device=logits.device)
+
+    if meta.top_k is not None:
+        k = meta.top_k.clamp(1, num_candidates)
+        kth_largest = candidates.gather(1, (k - 1).unsqueeze(1)).squeeze(1)
+        cutoff = torch.where(meta.top_k > 0, kth_largest, cutoff)
+        candidates = candidates.masked_fill(candidates < cutoff.unsqueeze(1), _NEG_INF)
+
+    if meta.top_p is not None:
+        # Keep the smallest prefix whose probability reaches top_p: token j stays iff the
+        # mass strictly before it is < top_p (so the top token always stays). top_p is
+        # renormalised over what min_p and top_k left, as in vLLM.
+        probs = candidates.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1)[:, :-1]
+        num_kept = 1 + (mass_before < meta.top_p.unsqueeze(1)).sum(dim=-1)
+        top_p_cutoff = candidates.gather(1, (num_kept - 1).unsqueeze(1)).squeeze(1)
+        # top_p = 1 is off; rounding in the cumsum must not drop the tail.
+        top_p_cutoff = torch.where(meta.top_p < 1.0, top_p_cutoff, _NEG_INF)
+        cutoff = torch.maximum(cutoff, top_p_cutoff)
+    return cutoff
+
+
+def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """argmax(probs / E) with E ~ Exp(1) i.i.d. is a sample from probs, with no cumsum/search.
+
+    Seeded rows draw their V exponentials from their own generator, one full row per step,
+    so their stream does not depend on the batch. Others share the device's default RNG."""
+    noise = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        noise.exponential_()
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    # An exact 0 draw would turn a filtered-out token's 0/0 into NaN, which argmax picks.
+    noise.clamp_(min=torch.finfo(torch.float32).tiny)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
+                    num_logprobs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Column 0 the sampled token, then the top num_logprobs; and the sampled token's rank,
+    counted as vLLM does: how many tokens have a logprob >= its own (1 = most likely)."""
+    token_logprob = raw_logprobs.gather(1, sampled.unsqueeze(1))
+    ranks = (raw_logprobs >= token_logprob).sum(dim=-1)
+    token_ids = sampled.unsqueeze(1)
+    logprobs = token_logprob
+    if num_logprobs > 0:
+        top_logprobs, top_ids = raw_logprobs.topk(num_logprobs, dim=-1)
+        token_ids = torch.cat([token_ids, top_ids], dim=1)
+        logprobs = torch.cat([logprobs, top_logprobs], dim=1)
+    return token_ids, logprobs, ranks

@@ -1,0 +1,51 @@
+"""Shared fixtures: the demo tokenizer and tiny random checkpoints, built once per session."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from minivllm.demo import build_tiny_model, build_tokenizer
+
+TinyModelFactory = Callable[..., str]
+
+# Test models are tiny: a second intra-op thread buys nothing, and on a busy CI machine
+# OpenMP's spin-waiting threads make each tiny matmul ~50x slower (measured: a 2-layer
+# forward 250 ms instead of 4 ms). OMP_NUM_THREADS, when set, still wins.
+if "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> PreTrainedTokenizerFast:
+    """The demo byte-level BPE tokenizer (the one every tiny model ships with)."""
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFactory:
+    """`factory(architecture="Qwen3ForCausalLM", **kwargs) -> model dir`.
+
+    kwargs are build_tiny_model's (dtype, tie_word_embeddings, max_shard_size, seed) and
+    config overrides. Each distinct set of arguments is built once per test session.
+    """
+    root = tmp_path_factory.mktemp("tiny_models")
+    built: dict[str, str] = {}
+
+    def factory(architecture: str = "Qwen3ForCausalLM", **kwargs: Any) -> str:
+        # default=str turns torch dtypes into "torch.float32"; sort_keys makes the key
+        # independent of argument order.
+        key = json.dumps([architecture, kwargs], sort_keys=True, default=str)
+        if key not in built:
+            name = f"{architecture}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+            built[key] = build_tiny_model(str(root / name), architecture, **kwargs)
+        return built[key]
+
+    return factory

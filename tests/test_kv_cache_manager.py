@@ -1,0 +1,114 @@
+"""Block manager invariants under random workloads (hypothesis), and prefix-cache rules."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minivllm.engine.kv_cache_manager import KVCacheManager
+from minivllm.engine.sequence import Sequence
+from minivllm.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+
+
+def make_seq(tokens: list[int]) -> Sequence:
+    return Sequence("r", 0, tokens, SamplingParams())
+
+
+def check_invariants(kv: KVCacheManager, live: list[Sequence]) -> None:
+    used: dict[int, int] = {}
+    for seq in live:
+        for block_id in seq.block_table:
+            used[block_id] = used.get(block_id, 0) + 1
+    for block_id in range(kv.num_blocks):
+        assert kv.ref_counts[block_id] >= 0
+        assert kv.ref_counts[block_id] == used.get(block_id, 0)
+        # Never both free and used.
+        assert (block_id in kv.free_queue) == (kv.ref_counts[block_id] == 0)
+    for block_hash, block_id in kv.cached_blocks.items():
+        assert kv.block_hashes[block_id] == block_hash
+
+
+def admit(kv: KVCacheManager, seq: Sequence) -> bool:
+    cached = kv.find_cached_prefix(seq)
+    num_new = seq.num_tokens - len(cached) * BLOCK_SIZE
+    return kv.allocate(seq, num_new, cached)
+
+
+# A small alphabet and shared stems make prefix hits common.
+prompts = st.lists(st.integers(0, 2), min_size=1, max_size=20)
+operations = st.lists(st.tuples(st.sampled_from(["admit", "grow", "free"]), prompts, st.integers(0, 50)),
+                      max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(operations, st.integers(4, 24))
+def test_random_workload_keeps_invariants(ops: list[tuple[str, list[int], int]], num_blocks: int) -> None:
+    kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=True)
+    live: list[Sequence] = []
+    for op, tokens, pick in ops:
+        if op == "admit":
+            seq = make_seq([1, 2, 3, 4, 5] + tokens)
+            if admit(kv, seq):
+                # What the cache handed out must be exactly this sequence's tokens.
+                for i, block_id in enumerate(seq.block_table[:seq.num_computed_tokens // BLOCK_SIZE]):
+                    assert kv.block_token_ids[block_id] == tuple(seq.token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
+                seq.num_computed_tokens = seq.num_tokens
+                live.append(seq)
+        elif op == "grow" and live:
+            seq = live[pick % len(live)]
+            seq.token_ids.append(pick % 3)
+            if kv.allocate(seq, 1):
+                seq.num_computed_tokens += 1
+            else:
+                seq.token_ids.pop()
+        elif op == "free" and live:
+            kv.free(live.pop(pick % len(live)))
+        check_invariants(kv, live)
+    for seq in live:
+        kv.free(seq)
+    check_invariants(kv, [])
+    assert kv.num_free_blocks == num_blocks
+
+
+def test_full_prompt_hit_still_computes_last_token() -> None:
+    kv = KVCacheManager(16, BLOCK_SIZE, enable_prefix_caching=True)
+    first = make_seq(list(range(8)))  # exactly two blocks
+    assert admit(kv, first)
+    second = make_seq(list(range(8)))
+    cached = kv.find_cached_prefix(second)
+    assert len(cached) == 1  # the second block would leave nothing to compute
+    assert kv.allocate(second, 8 - BLOCK_SIZE, cached)
+    assert second.num_computed_tokens == BLOCK_SIZE
+    assert second.block_table[0] == first.block_table[0]
+    assert second.block_table[1] != first.block_table[1]
+
+
+def test_freed_blocks_stay_cached_until_evicted() -> None:
+    kv = KVCacheManager(4, BLOCK_SIZE, enable_prefix_caching=True)
+    seq = make_seq(list(range(9)))
+    assert admit(kv, seq)
+    kv.free(seq)
+    again = make_seq(list(range(9)))
+    assert len(kv.find_cached_prefix(again)) == 2
+    # Filling the pool with other tokens evicts them.
+    other = make_seq([7] * 16)
+    assert admit(kv, other)
+    assert kv.find_cached_prefix(make_seq(list(range(9)))) == []
+
+
+def test_hash_collision_is_not_a_hit() -> None:
+    kv = KVCacheManager(8, BLOCK_SIZE, enable_prefix_caching=True)
+    seq = make_seq(list(range(9)))
+    assert admit(kv, seq)
+    # Forge a collision: another sequence's first-block hash pointing at seq's block.
+    impostor = make_seq([9, 9, 9, 9, 9])
+    forged_hash = kv._full_block_hashes(impostor, 1)[0]
+    kv.cached_blocks[forged_hash] = seq.block_table[0]
+    assert kv.find_cached_prefix(impostor) == []
+
+
+def test_allocation_failure_changes_nothing() -> None:
+    kv = KVCacheManager(3, BLOCK_SIZE, enable_prefix_caching=True)
+    seq = make_seq(list(range(20)))
+    assert not admit(kv, seq)
+    assert seq.block_table == [] and kv.num_free_blocks == 3
