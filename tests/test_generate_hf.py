@@ -83,8 +83,7 @@ def test_chunked_prefill(model_dir: str) -> None:
 
 def test_preemption(model_dir: str) -> None:
     prompts = mixed_prompts(vocab(model_dir), seed=3)
-    engine_probe = make_llm(model_dir, enable_prefix_caching=False).llm_engine
-    block_bytes = engine_probe.model_runner._kv_bytes_per_block()
+    block_bytes = make_llm(model_dir).llm_engine.model_runner._kv_bytes_per_block()
     # Room for 18 blocks: one full-length sequence, far less than the batch needs.
     llm = make_llm(model_dir, kv_cache_memory_bytes=18 * block_bytes, enable_prefix_caching=False)
     assert run(llm, prompts, max_tokens=24) == expected(model_dir, prompts, max_tokens=24)
@@ -92,3 +91,15 @@ def test_preemption(model_dir: str) -> None:
     print("preemptions:", preemptions)
     assert preemptions > 0
     assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.kv_cache_manager.num_blocks
+
+
+def test_cache_hits_chunks_and_preemption_together(model_dir: str) -> None:
+    prompts = mixed_prompts(vocab(model_dir), seed=4)
+    block_bytes = make_llm(model_dir).llm_engine.model_runner._kv_bytes_per_block()
+    llm = make_llm(model_dir, kv_cache_memory_bytes=20 * block_bytes, max_num_batched_tokens=13)
+    want = expected(model_dir, prompts, max_tokens=20)
+    assert run(llm, prompts, max_tokens=20) == want
+    assert run(llm, prompts, max_tokens=20) == want
+    stats = llm.llm_engine.stats()
+    print("all regimes:", stats)
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
