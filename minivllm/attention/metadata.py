@@ -22,13 +22,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [N] int64, where each new token's K/V is stored; -1: skip
     max_query_len: int
     max_seq_len: int
-    # Host copies, for the torch backend's per-sequence loop and for kernel launch sizing.
-    query_start_loc_cpu: list[int]
-    seq_lens_cpu: list[int]
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_cpu)
+    # Host copies, for the torch backend's per-sequence loop. None in CUDA graphs, whose
+    # replays change the device values without the host knowing.
+    query_start_loc_cpu: list[int] | None = None
+    seq_lens_cpu: list[int] | None = None
 
     @property
     def is_decode_only(self) -> bool:

@@ -20,6 +20,8 @@ class TorchAttentionBackend:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        assert meta.seq_lens_cpu is not None and meta.query_start_loc_cpu is not None, \
+            "the torch backend needs host lengths (it cannot run inside CUDA graphs)"
         block_size = k_cache.shape[1]
         out = torch.empty_like(q)
         starts = meta.query_start_loc_cpu

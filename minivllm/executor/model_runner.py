@@ -14,6 +14,8 @@ from minivllm.attention.torch_backend import TorchAttentionBackend
 from minivllm.config import EngineConfig
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.sequence import Sequence
+from minivllm.executor.cuda_graphs import DecodeGraphs
+from minivllm.executor.input_buffers import InputBuffers
 from minivllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from minivllm.loader import init_dummy_weights, load_weights
 from minivllm.models.registry import build_model
@@ -66,15 +68,23 @@ class ModelRunner:
         self.sampler = Sampler()
         self.backend = self._make_attention_backend()
         logger.info("Loaded weights in %.1f s", time.perf_counter() - start)
+        self.buffers = InputBuffers(max(config.max_num_batched_tokens, config.max_num_seqs), config.max_num_seqs,
+                                    config.max_blocks_per_seq, self.device)
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache(self.num_blocks)
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager and config.attention_backend == "triton":
+            self.decode_graphs = DecodeGraphs(self.model, self.buffers, config.max_num_seqs, config.max_model_len)
+            self.decode_graphs.capture()
 
     # --- set-up -----------------------------------------------------------------------------
 
     def _make_attention_backend(self) -> object:
         if self.config.attention_backend == "triton":
-            from minivllm.attention.triton_backend import TritonAttentionBackend
-            return TritonAttentionBackend()
+            from minivllm.attention.triton_backend import TritonAttentionBackend  # needs a GPU
+            attn = self.model.attention_layers()[0]
+            return TritonAttentionBackend(attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                          self.config.max_num_seqs, device=self.device)
         return TorchAttentionBackend()
 
     def _kv_bytes_per_block(self) -> int:
@@ -105,6 +115,7 @@ class ModelRunner:
                     num_blocks / config.max_blocks_per_seq)
         return num_blocks
 
+    @torch.inference_mode()
     def _profile_free_gpu_memory(self) -> int:
         """Run the largest step on a throwaway cache; the KV cache gets what is left of
         gpu_memory_utilization of the device."""
@@ -128,7 +139,8 @@ class ModelRunner:
         logits = self.model.compute_logits(rows)
         torch.softmax(logits.float(), dim=-1).sort(dim=-1)
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        # The throwaway cache is not part of the step's working set.
+        peak = torch.cuda.max_memory_allocated() - self.kv_cache.numel() * self.kv_cache.element_size()
         del hidden, logits, inputs
         self._free_kv_cache()
         torch.cuda.empty_cache()
@@ -142,7 +154,8 @@ class ModelRunner:
         layers = self.model.attention_layers()
         attn = layers[0]
         # One allocation for all layers' K and V (DESIGN: carved from one tensor).
-        self.kv_cache = torch.empty(2, len(layers), num_blocks, self.block_size, attn.num_kv_heads,
+        # Zeroed: padded rows of a CUDA graph read block 0, and must read finite values.
+        self.kv_cache = torch.zeros(2, len(layers), num_blocks, self.block_size, attn.num_kv_heads,
                                     attn.head_dim, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
@@ -155,60 +168,79 @@ class ModelRunner:
 
     # --- one step ---------------------------------------------------------------------------
 
-    def prepare_inputs(self, batch: ScheduledBatch) -> ModelInputs:
-        bs = self.block_size
+    def prepare_inputs(self, batch: ScheduledBatch, padded_size: int | None = None) -> ModelInputs:
+        """Write the step into the persistent buffers and upload them.
+
+        padded_size: for a decode-only step run as a CUDA graph of that batch size, the
+        rows past the batch are filled with harmless padding (stored nowhere).
+        """
+        bs, buf = self.block_size, self.buffers.host
+        num_seqs = len(batch)
         num_new = np.array(batch.num_new_tokens, dtype=np.int64)
         computed = np.array([seq.num_computed_tokens for seq in batch.seqs], dtype=np.int64)
         seq_lens = computed + num_new
-        query_start_loc = np.zeros(len(batch) + 1, dtype=np.int64)
-        np.cumsum(num_new, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
+        query_start_loc = buf["query_start_loc"]
+        query_start_loc[0] = 0
+        np.cumsum(num_new, out=query_start_loc[1:num_seqs + 1])
+        num_tokens = int(query_start_loc[num_seqs])
         # Position of every new token: its sequence's computed count plus its offset in the chunk.
-        row_of_token = np.repeat(np.arange(len(batch)), num_new)
+        row_of_token = np.repeat(np.arange(num_seqs), num_new)
         positions = computed[row_of_token] + np.arange(num_tokens) - query_start_loc[row_of_token]
-        input_ids = np.fromiter(
+        buf["positions"][:num_tokens] = positions
+        buf["input_ids"][:num_tokens] = np.fromiter(
             (t for seq, c, n in zip(batch.seqs, computed, num_new) for t in seq.token_ids[c:c + n]),
             dtype=np.int64, count=num_tokens)
-        max_blocks = max(len(seq.block_table) for seq in batch.seqs)
-        block_tables = np.zeros((len(batch), max_blocks), dtype=np.int32)
+        block_tables = buf["block_tables"]
+        block_tables[:num_seqs] = 0  # no stale block ids from an earlier step
         for i, seq in enumerate(batch.seqs):
             block_tables[i, :len(seq.block_table)] = seq.block_table
-        slot_mapping = block_tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        buf["slot_mapping"][:num_tokens] = (
+            block_tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs)
+        buf["seq_lens"][:num_seqs] = seq_lens
         # Sample where a sequence's last known token is computed this step.
         sampled = seq_lens == np.array([seq.num_tokens for seq in batch.seqs])
-        logits_indices = query_start_loc[1:][sampled] - 1
-
-        def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            tensor = torch.from_numpy(array).to(dtype)
-            if self.device.type == "cuda":
-                tensor = tensor.pin_memory()
-            return tensor.to(self.device, non_blocking=True)
-
+        logits_indices = query_start_loc[1:num_seqs + 1][sampled] - 1
+        buf["logits_indices"][:len(logits_indices)] = logits_indices
+        rows, tokens = num_seqs, num_tokens
+        if padded_size is not None:
+            rows = tokens = padded_size
+            pad = slice(num_seqs, padded_size)
+            buf["input_ids"][pad] = buf["positions"][pad] = buf["block_tables"][pad] = 0
+            buf["slot_mapping"][pad] = -1
+            buf["seq_lens"][pad] = 1
+            query_start_loc[num_seqs + 1:padded_size + 1] = np.arange(num_seqs + 1, padded_size + 1)
+        upload = self.buffers.upload
         meta = AttentionMetadata(
-            query_start_loc=to_device(query_start_loc, torch.int32),
-            seq_lens=to_device(seq_lens, torch.int32),
-            block_tables=to_device(block_tables, torch.int32),
-            slot_mapping=to_device(slot_mapping, torch.int64),
+            query_start_loc=upload("query_start_loc", rows + 1),
+            seq_lens=upload("seq_lens", rows),
+            block_tables=upload("block_tables", rows),
+            slot_mapping=upload("slot_mapping", tokens),
             max_query_len=int(num_new.max()),
             max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=query_start_loc.tolist(),
+            query_start_loc_cpu=query_start_loc[:num_seqs + 1].tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
         return ModelInputs(
-            input_ids=to_device(input_ids, torch.int64),
-            positions=to_device(positions, torch.int64),
+            input_ids=upload("input_ids", tokens),
+            positions=upload("positions", tokens),
             meta=meta,
-            logits_indices=to_device(logits_indices, torch.int64),
+            logits_indices=upload("logits_indices", len(logits_indices)),
             sampled_seqs=[seq for seq, s in zip(batch.seqs, sampled) if s],
         )
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
-        inputs = self.prepare_inputs(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        is_decode = all(n == 1 for n in batch.num_new_tokens)
+        padded_size = self.decode_graphs.padded_size(len(batch)) if is_decode and self.decode_graphs else None
+        inputs = self.prepare_inputs(batch, padded_size)
+        if padded_size is not None:
+            # Every row of a decode step is sampled, in order.
+            hidden = self.decode_graphs.replay(padded_size)[:len(batch)]
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)[inputs.logits_indices]
         if not inputs.sampled_seqs:
             return []
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        logits = self.model.compute_logits(hidden)
         rows = [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator)
                 for seq in inputs.sampled_seqs]
         sampling_meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
