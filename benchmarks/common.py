@@ -1,0 +1,313 @@
+"""Shared pieces of the benchmark scripts: model resolution, workloads, timing, results.
+
+Workloads follow BENCH.md (summarised in benchmarks/README.md). Every script
+accepts `--scale` to shrink a workload for CPU smoke runs; numbers at a scale other
+than 1 are not comparable with anything and say so in their JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# W1 as BENCH.md defines it, and the totals it must produce at full size.
+W1_NUM_PROMPTS = 256
+W1_PROMPT_LEN = (100, 1024)
+W1_OUTPUT_LEN = (100, 1024)
+W1_TOKEN_ID_MAX = 10000
+W1_OUTPUT_TOKENS = 133_966
+W1_PROMPT_TOKENS = 142_827
+W1_TEMPERATURE = 0.6
+DEFAULT_MAX_MODEL_LEN = 4096  # BENCH.md's max_model_len for W1 (W2 and W3 fit in it too)
+
+
+# ----------------------------------------------------------------------------- models
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model directory ready for LLM(...) or transformers, and how to load its weights."""
+
+    path: str
+    load_format: str  # "auto" (weights from the directory) or "dummy" (random weights)
+    vocab_size: int
+    max_position_embeddings: int
+
+
+def _preset_dir(name: str) -> Path:
+    return Path(tempfile.gettempdir()) / "minivllm-bench-presets" / name
+
+
+def resolve_model(model: str, load_format: str = "auto") -> ModelSpec:
+    """A directory is used as is; a preset name of minivllm.demo becomes a config-only
+    directory (config.json + demo tokenizer) run with random weights."""
+    if os.path.isdir(model):
+        path = model
+    else:
+        from minivllm.demo import PRESETS, write_preset
+
+        if model not in PRESETS:
+            raise SystemExit(f"--model {model!r} is neither a directory nor a preset "
+                             f"(presets: {', '.join(sorted(PRESETS))}).")
+        path = str(write_preset(model, str(_preset_dir(model))))
+        load_format = "dummy"
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config = config.get("text_config", config)
+    return ModelSpec(path=path, load_format=load_format,
+                     vocab_size=int(config["vocab_size"]),
+                     max_position_embeddings=int(config.get("max_position_embeddings", 1 << 30)))
+
+
+# --------------------------------------------------------------------------- workloads
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def scaled(n: int, scale: float) -> int:
+    """n shrunk by scale, at least 1."""
+    return max(1, round(n * scale))
+
+
+def fit_vocab(token_ids: list[int], vocab_size: int) -> list[int]:
+    """Fold ids into a tiny test model's vocabulary; a no-op for real vocabularies."""
+    if vocab_size > W1_TOKEN_ID_MAX:
+        return token_ids
+    return [t % vocab_size for t in token_ids]
+
+
+def w1_requests(num_prompts: int = W1_NUM_PROMPTS, scale: float = 1.0,
+                vocab_size: int = W1_TOKEN_ID_MAX + 1) -> list[Request]:
+    """BENCH.md W1: random.seed(0); all prompts drawn first, each
+    [randint(0, 10000) for _ in range(randint(100, 1024))]; then each request's
+    max_tokens = randint(100, 1024). With scale < 1 the count and both length ranges
+    shrink by that factor (same draw order)."""
+    rng = random.Random(0)  # same stream as random.seed(0) + module-level randint
+    n = scaled(num_prompts, scale)
+    p_lo, p_hi = (scaled(x, scale) for x in W1_PROMPT_LEN)
+    o_lo, o_hi = (scaled(x, scale) for x in W1_OUTPUT_LEN)
+    prompts = [[rng.randint(0, W1_TOKEN_ID_MAX) for _ in range(rng.randint(p_lo, p_hi))]
+               for _ in range(n)]
+    max_tokens = [rng.randint(o_lo, o_hi) for _ in range(n)]
+    requests = [Request(fit_vocab(p, vocab_size), m) for p, m in zip(prompts, max_tokens)]
+    if num_prompts == W1_NUM_PROMPTS and scale == 1.0:
+        totals = (sum(r.max_tokens for r in requests), sum(len(r.prompt_token_ids) for r in requests))
+        assert totals == (W1_OUTPUT_TOKENS, W1_PROMPT_TOKENS), f"W1 totals drifted: {totals}"
+    return requests
+
+
+def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
+    """Uniform random token ids in [0, min(10000, vocab_size - 1)]."""
+    high = min(W1_TOKEN_ID_MAX, vocab_size - 1)
+    return [rng.randint(0, high) for _ in range(length)]
+
+
+def warmup_prompt(vocab_size: int) -> list[int]:
+    """The short warm-up request's prompt; shares nothing with any workload prompt's start."""
+    return [(7 * i + 3) % min(W1_TOKEN_ID_MAX, vocab_size) for i in range(32)]
+
+
+# ---------------------------------------------------------------------- minivllm engine
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """Arguments every benchmark takes: the model, engine knobs, size and output."""
+    parser.add_argument("--model", default="qwen3-0.6b",
+                        help="model directory, or a minivllm.demo preset name (random weights)")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="for a directory: 'dummy' ignores its weights (presets are always dummy)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help=f"default {DEFAULT_MAX_MODEL_LEN} (BENCH.md), capped at the model's positions")
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--tensor-parallel-size", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="shrink the workload (requests and lengths) for CPU smoke runs")
+    parser.add_argument("--json-out", default=None, help="append one JSON result line to this file")
+
+
+def engine_kwargs(args: argparse.Namespace, spec: ModelSpec) -> dict[str, Any]:
+    """LLM(...) keyword arguments from the command line; unset knobs keep the engine's defaults."""
+    max_model_len = args.max_model_len or min(DEFAULT_MAX_MODEL_LEN, spec.max_position_embeddings)
+    kwargs: dict[str, Any] = {"dtype": args.dtype, "max_model_len": max_model_len,
+                              "load_format": spec.load_format, "enforce_eager": args.enforce_eager,
+                              "seed": 0}
+    optional = ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
+                "tensor_parallel_size", "block_size")
+    kwargs.update({k: getattr(args, k) for k in optional if getattr(args, k) is not None})
+    return kwargs
+
+
+def make_llm(args: argparse.Namespace, spec: ModelSpec, **overrides: Any) -> tuple[Any, float]:
+    """Build minivllm's LLM; returns it and the start-up seconds (load, profile, graphs)."""
+    from minivllm import LLM
+
+    kwargs = engine_kwargs(args, spec) | overrides
+    start = time.perf_counter()
+    llm = LLM(spec.path, **kwargs)
+    synchronize()
+    return llm, time.perf_counter() - start
+
+
+def warmup_llm(llm: Any, vocab_size: int, prefix_hit: bool = False) -> None:
+    """One short request so the timed run sees no first-call costs; with prefix_hit a
+    second one that starts with the first's prompt, so that the prefill-over-a-cached-
+    prefix path is compiled too (W3)."""
+    prompt = warmup_prompt(vocab_size)
+    timed_generate(llm, [Request(prompt, 16)], temperature=0.0)
+    if prefix_hit:
+        timed_generate(llm, [Request(prompt + prompt[:8], 16)], temperature=0.0)
+
+
+def timed_generate(llm: Any, requests: list[Request], temperature: float) -> dict[str, Any]:
+    """One timed llm.generate() over the requests (ignore_eos, each its own max_tokens);
+    returns throughput_metrics of that run."""
+    from minivllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=r.max_tokens)
+              for r in requests]
+    with Timer() as t:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return throughput_metrics(requests, output_tokens, t.seconds)
+
+
+def engine_stats(llm: Any) -> dict[str, int]:
+    """The engine's cumulative counters (llm.llm_engine.stats()), {} if it has none.
+    W3 needs "prefix_cache_queries" (prompt tokens looked up in the prefix cache) and
+    "prefix_cache_hits" (of those, tokens found cached); W1 reports "num_preemptions"."""
+    stats = getattr(llm.llm_engine, "stats", None)
+    return dict(stats()) if callable(stats) else {}
+
+
+def stats_delta(before: dict[str, int], after: dict[str, int], keys: tuple[str, ...]) -> dict[str, int]:
+    """after - before for the counters both snapshots have."""
+    return {k: after[k] - before[k] for k in keys if k in before and k in after}
+
+
+def shutdown_llm(llm: Any) -> None:
+    """Stop an engine's workers (tensor-parallel processes), if it has a shutdown()."""
+    for owner in (llm, getattr(llm, "llm_engine", None)):
+        shutdown = getattr(owner, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+            return
+
+
+def free_memory() -> None:
+    """Collect a dropped engine and hand its cached GPU memory back (between engines)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------ timing
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Timer:
+    """`with Timer() as t: ...` then t.seconds; synchronises the GPU at both ends."""
+
+    seconds: float = 0.0
+
+    def __enter__(self) -> Timer:
+        synchronize()
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        synchronize()
+        self.seconds = time.perf_counter() - self._start
+
+
+def throughput_metrics(requests: list[Request], output_tokens: int, elapsed: float) -> dict[str, Any]:
+    """Output tok/s, total tok/s, requests/s for one timed run."""
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    return {
+        "num_requests": len(requests),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "expected_output_tokens": sum(r.max_tokens for r in requests),
+        "elapsed_s": elapsed,
+        "output_tok_s": output_tokens / elapsed,
+        "total_tok_s": (prompt_tokens + output_tokens) / elapsed,
+        "requests_s": len(requests) / elapsed,
+    }
+
+
+# ----------------------------------------------------------------------------- results
+
+
+def git_commit() -> str:
+    """HEAD of this checkout (read only), or $MINIVLLM_COMMIT where there is no .git."""
+    if commit := os.environ.get("MINIVLLM_COMMIT"):
+        return commit
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
+                             capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if out.returncode != 0:
+        return "unknown"
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def environment() -> dict[str, Any]:
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "commit": git_commit(),
+        "torch": torch.__version__,
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+    }
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.3f}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return str(value)
+
+
+def report(workload: str, backend: str, args: argparse.Namespace, metrics: dict[str, Any]) -> None:
+    """Print the metrics and append one JSON line (environment + metrics) to --json-out."""
+    print(f"== {workload} [{backend}] model={args.model} scale={args.scale}")
+    for key, value in metrics.items():
+        print(f"  {key:>28}: {_show(value)}")
+    if args.json_out:
+        line = {"workload": workload, "backend": backend, "model": args.model, "scale": args.scale,
+                **environment(), **metrics}
+        with open(args.json_out, "a") as f:
+            f.write(json.dumps(line) + "\n")

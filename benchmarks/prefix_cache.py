@@ -1,0 +1,93 @@
+"""W3 — shared prefix (BENCH.md): 256 requests share a 2,048-token prefix, each adds 64
+distinct tokens and generates 128 (temperature 0.6, ignore_eos), run with prefix
+caching on and off (a fresh engine each, freed in between).
+
+    python benchmarks/prefix_cache.py --model qwen3-0.6b [--caching both|on|off]
+
+Reports output tok/s both ways, their ratio, and the hit rate over the timed run from
+llm.llm_engine.stats() (prompt tokens found cached / prompt tokens looked up), next to
+the ideal: every request but the first finds the prefix's full blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import (W1_TEMPERATURE, ModelSpec, Request, add_common_args,  # noqa: E402
+                               engine_stats, free_memory, make_llm, random_prompt, report,
+                               resolve_model, scaled, shutdown_llm, stats_delta, timed_generate,
+                               warmup_llm)
+
+W3_NUM_REQUESTS = 256
+W3_PREFIX_LEN = 2048
+W3_SUFFIX_LEN = 64
+W3_OUTPUT_LEN = 128
+DEFAULT_BLOCK_SIZE = 16  # the engine's default, for the ideal hit rate
+PREFIX_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits")  # tokens, from llm_engine.stats()
+
+
+def w3_requests(scale: float, vocab_size: int) -> list[Request]:
+    rng = random.Random(0)
+    prefix = random_prompt(rng, scaled(W3_PREFIX_LEN, scale), vocab_size)
+    return [Request(prefix + random_prompt(rng, scaled(W3_SUFFIX_LEN, scale), vocab_size),
+                    scaled(W3_OUTPUT_LEN, scale))
+            for _ in range(scaled(W3_NUM_REQUESTS, scale))]
+
+
+def ideal_hit_rate(requests: list[Request], prefix_len: int, block_size: int) -> float:
+    """Only full blocks are shared; the first request computes the prefix for the rest."""
+    shared = prefix_len // block_size * block_size
+    return (len(requests) - 1) * shared / sum(len(r.prompt_token_ids) for r in requests)
+
+
+def run_once(args: argparse.Namespace, spec: ModelSpec, requests: list[Request],
+             caching: bool) -> dict[str, Any]:
+    """A fresh engine, a warm-up that shares nothing with the workload, one timed run."""
+    llm, startup = make_llm(args, spec, enable_prefix_caching=caching)
+    warmup_llm(llm, spec.vocab_size, prefix_hit=True)
+    before = engine_stats(llm)
+    metrics = timed_generate(llm, requests, W1_TEMPERATURE) | {"startup_s": startup}
+    counters = stats_delta(before, engine_stats(llm), PREFIX_COUNTERS + ("num_preemptions",))
+    metrics |= counters
+    if all(k in counters for k in PREFIX_COUNTERS):
+        queries, hits = (counters[k] for k in PREFIX_COUNTERS)
+        metrics["hit_rate"] = hits / queries if queries else 0.0
+    shutdown_llm(llm)
+    del llm
+    free_memory()
+    return metrics
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    parser.add_argument("--caching", default="both", choices=["both", "on", "off"])
+    args = parser.parse_args()
+
+    spec = resolve_model(args.model, args.load_format)
+    requests = w3_requests(args.scale, spec.vocab_size)
+    modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.caching]
+    runs = {caching: run_once(args, spec, requests, caching) for caching in modes}
+
+    summary: dict[str, Any] = {
+        "num_requests": len(requests), "prefix_len": scaled(W3_PREFIX_LEN, args.scale),
+        "ideal_hit_rate": ideal_hit_rate(requests, scaled(W3_PREFIX_LEN, args.scale),
+                                         args.block_size or DEFAULT_BLOCK_SIZE)}
+    for caching, metrics in runs.items():
+        tag = "on" if caching else "off"
+        summary |= {f"{tag}_{key}": value for key, value in metrics.items()
+                    if key not in ("num_requests", "prompt_tokens", "expected_output_tokens")}
+    if True in runs and "on_hit_rate" not in summary:
+        summary["on_hit_rate"] = "n/a (the engine has no llm_engine.stats())"
+    if len(runs) == 2:
+        summary["speedup"] = runs[True]["output_tok_s"] / runs[False]["output_tok_s"]
+    report("W3", "minivllm", args, summary)
+
+
+if __name__ == "__main__":
+    main()
