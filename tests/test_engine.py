@@ -231,3 +231,17 @@ def test_chat_applies_template(llm: LLM) -> None:
     want = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert out.prompt_token_ids == list(want)
     assert len(out.outputs[0].token_ids) == 3
+
+
+def test_next_step_is_launched_before_the_last_is_read_back(llm: LLM, model_dir: str) -> None:
+    engine = llm.llm_engine
+    prompt = random_prompt(11, seed=10)
+    engine.add_request("overlap", {"prompt_token_ids": prompt}, greedy(6))
+    engine.step()  # prefill launched
+    engine.step()  # decode launched with the prefill's token still on the device
+    seq = engine.requests["overlap"].seqs[0]
+    assert engine.in_flight is not None and seq.num_pending_tokens == 1
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert list(outputs[0].outputs[0].token_ids) == hf_greedy(model_dir, prompt, 6)[0]

@@ -106,11 +106,13 @@ class KVCacheManager:
 
         This happens at scheduling time: a sequence admitted later in the same step can
         already hit them, because every layer stores the step's K/V before attending.
+        A block completed by a pending token (value not yet known) is registered on the
+        next call, which therefore looks one block back.
         """
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        first, last = start_token // bs, end_token // bs
+        first, last = max(start_token - 1, 0) // bs, min(end_token, len(seq.token_ids)) // bs
         hashes = self._full_block_hashes(seq, last)
         for i in range(first, last):
             block_id, block_hash = seq.block_table[i], hashes[i]

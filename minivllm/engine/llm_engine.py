@@ -13,7 +13,7 @@ from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.engine.kv_cache_manager import KVCacheManager
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import Sequence
-from minivllm.executor.model_runner import ModelRunner, SampledToken
+from minivllm.executor.model_runner import ModelRunner, SampledToken, StepHandle
 from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -53,6 +53,7 @@ class LLMEngine:
                                                config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.requests: dict[str, Request] = {}
+        self.in_flight: StepHandle | None = None  # the launched step not yet read back
         self._request_counter = itertools.count()
         # Tokens processed, for the progress bar's live rates.
         self.num_prefill_tokens = 0
@@ -154,49 +155,76 @@ class LLMEngine:
     # --- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return outputs of the requests that advanced (or finished)."""
+        """Launch the next step, then finish the previous one while the device runs it.
+
+        Returns outputs of the requests that finished, and of streaming requests that
+        advanced. The step after a launch is scheduled before the launched step's tokens
+        are read back, so the device never waits for the host's bookkeeping.
+        """
+        outputs: list[RequestOutput] = []
+        if self.in_flight is not None and self._needs_known_tokens():
+            outputs += self._finish_step(self.in_flight)
+            self.in_flight = None
         batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
+        launched = self.model_runner.launch(batch) if batch.seqs else None
         now = time.time()
-        for seq in batch.seqs:
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             metrics = self.requests[seq.request_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
-        sampled = self.model_runner.execute(batch)
-        self.scheduler.update(batch, {s.seq.seq_id: s.token_id for s in sampled})
-        for num_new in batch.num_new_tokens:
             if num_new > 1:
                 self.num_prefill_tokens += num_new
             else:
                 self.num_decode_tokens += 1
+        if self.in_flight is not None:
+            outputs += self._finish_step(self.in_flight)
+        self.in_flight = launched
+        return outputs
+
+    def _needs_known_tokens(self) -> bool:
+        """Penalties and min_tokens read a sequence's latest tokens: wait for them."""
+        return any(seq.params.has_penalties or 0 < seq.num_output_tokens <= seq.params.min_tokens
+                   for seq in self.scheduler.running)
+
+    def _finish_step(self, handle: StepHandle) -> list[RequestOutput]:
         advanced: dict[str, Request] = {}
         now = time.time()
-        for sample in sampled:
-            request = self.requests[sample.seq.request_id]
+        for sample in self.model_runner.collect(handle):
+            seq = sample.seq
+            if seq.is_finished:  # finished or aborted while this step ran: drop its token
+                continue
+            seq.token_ids.append(sample.token_id)
+            seq.num_pending_tokens -= 1
+            request = self.requests[seq.request_id]
             request.metrics.first_token_time = request.metrics.first_token_time or now
             self._process_token(request, sample)
             advanced[request.request_id] = request
         outputs = []
         for request in advanced.values():
-            if request.finished:
+            finished = request.finished
+            if finished:
                 request.metrics.finished_time = now
                 del self.requests[request.request_id]
-            outputs.append(self._make_output(request))
+            # Offline requests only need their final output; streams get every delta.
+            if finished or request.stream:
+                outputs.append(self._make_output(request))
         return outputs
 
     def _process_token(self, request: Request, sample: SampledToken) -> None:
+        """Record a newly known token and check whether its sequence is done."""
         seq, token, params = sample.seq, sample.token_id, request.params
         if sample.logprobs is not None:
             seq.logprobs.append(sample.logprobs)
             seq.cumulative_logprob += sample.logprobs[token][0]
+        num_known = len(seq.token_ids)
+        num_outputs = num_known - seq.num_prompt_tokens
         finish_reason, stop_reason = None, None
-        if seq.num_output_tokens >= params.min_tokens:
+        if num_outputs >= params.min_tokens:
             if token in params.stop_token_ids:
                 finish_reason, stop_reason = "stop", token
             elif not params.ignore_eos and token in self.eos_token_ids:
                 finish_reason = "stop"
-        if finish_reason is None and (seq.num_tokens >= self.config.max_model_len or
-                                      (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)):
+        if finish_reason is None and (num_known >= self.config.max_model_len or
+                                      (params.max_tokens is not None and num_outputs >= params.max_tokens)):
             finish_reason = "length"
         detokenizer = request.detokenizers[seq.index]
         if detokenizer is not None:

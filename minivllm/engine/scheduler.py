@@ -19,6 +19,10 @@ from minivllm.engine.sequence import Sequence, SequenceStatus
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # per sequence, this step
+    # Tokens each sequence had computed before this step (where its new tokens start).
+    num_computed_tokens: list[int] = field(default_factory=list)
+    # Whether the step samples the sequence's next token (its last known token is computed).
+    samples: list[bool] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -27,9 +31,11 @@ class ScheduledBatch:
     def __len__(self) -> int:
         return len(self.seqs)
 
-    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+    def add(self, seq: Sequence, num_new_tokens: int, samples: bool) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
+        self.num_computed_tokens.append(seq.num_computed_tokens)
+        self.samples.append(samples)
 
 
 class Scheduler:
@@ -56,6 +62,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.reached_length_limit(self.max_model_len):
+                i += 1  # finishes once its pending token is read back
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv_cache_manager.allocate(seq, num_new):
                 preempted = True
@@ -64,7 +73,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                batch.add(seq, num_new)
+                self._schedule(batch, seq, num_new)
                 budget -= num_new
                 i += 1
         # 2. Waiting sequences, FCFS; not after a preemption (blocks are short this step).
@@ -80,22 +89,24 @@ class Scheduler:
                 seq.num_cached_tokens = num_computed
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.add(seq, num_new)
+            self._schedule(batch, seq, num_new)
             budget -= num_new
         return batch
+
+    @staticmethod
+    def _schedule(batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
+        """Add seq to the batch and count the step's work as done (the runner runs it)."""
+        samples = seq.num_computed_tokens + num_new == seq.num_tokens
+        batch.add(seq, num_new, samples)
+        seq.num_computed_tokens += num_new
+        if samples:
+            seq.num_pending_tokens += 1  # its value comes back after the step runs
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv_cache_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
-
-    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> None:
-        """Advance computed-token counts; append each sampled token (seq_id -> token id)."""
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += num_new
-            if seq.seq_id in sampled:
-                seq.token_ids.append(sampled[seq.seq_id])
 
     def finish(self, seq: Sequence, finish_reason: str, stop_reason: int | str | None = None) -> None:
         """Finish seq (stopped, length, or aborted) and free its blocks, wherever it is."""
@@ -106,6 +117,7 @@ class Scheduler:
         else:
             return
         self.kv_cache_manager.free(seq)
+        seq.num_pending_tokens = 0  # whatever is still in flight for it is dropped
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = finish_reason
         seq.stop_reason = stop_reason

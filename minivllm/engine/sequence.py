@@ -24,8 +24,11 @@ class Sequence:
         self.index = index  # which of the request's n samples
         self.params = params
         self.generator = generator
-        self.token_ids: list[int] = list(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids)  # known tokens only
         self.num_prompt_tokens = len(prompt_token_ids)
+        # Tokens sampled on the GPU whose values the host has not read yet (the engine
+        # schedules the next step before the last one's tokens come back).
+        self.num_pending_tokens = 0
         self.status = SequenceStatus.WAITING
         # Tokens whose K/V are in the cache (or will be once the scheduled step runs).
         self.num_computed_tokens = 0
@@ -40,11 +43,13 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Length including pending tokens: what the scheduler and the KV cache plan for."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Generated tokens, pending ones included."""
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -52,11 +57,17 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
+        """The known generated tokens."""
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    def reached_length_limit(self, max_model_len: int) -> bool:
+        """No more tokens may follow (pending ones counted): max_tokens or the context is full."""
+        max_tokens = self.params.max_tokens
+        return self.num_tokens >= max_model_len or (max_tokens is not None and self.num_output_tokens >= max_tokens)
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, tokens={self.num_tokens}, "

@@ -36,6 +36,17 @@ class SampledToken:
 
 
 @dataclass
+class StepHandle:
+    """A launched step: its sampled sequences and the host copies of its outputs (valid
+    once `done` has completed; None on CPU, where everything is synchronous)."""
+
+    sampled_seqs: list[Sequence]
+    host: list[torch.Tensor] | None  # sampled ids, then logprob ids, logprobs, ranks if asked
+    has_logprobs: bool | None
+    done: "torch.cuda.Event | None"
+
+
+@dataclass
 class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -72,6 +83,8 @@ class ModelRunner:
                                     config.max_blocks_per_seq, self.device)
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache(self.num_blocks)
+        self.last_sampled = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.last_sampled_rows: dict[int, int] = {}
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and config.attention_backend == "triton":
             self.decode_graphs = DecodeGraphs(self.model, self.buffers, config.max_num_seqs, config.max_model_len)
@@ -131,7 +144,7 @@ class ModelRunner:
         for i in range(num_seqs):
             seq = Sequence("profile", 0, [0] * seq_len, SamplingParams())
             seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-            batch.add(seq, min(seq_len, num_tokens - i * seq_len))
+            batch.add(seq, min(seq_len, num_tokens - i * seq_len), samples=False)
         inputs = self.prepare_inputs(batch)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         # The sampler's largest working set: logits for max_num_seqs rows.
@@ -171,13 +184,15 @@ class ModelRunner:
     def prepare_inputs(self, batch: ScheduledBatch, padded_size: int | None = None) -> ModelInputs:
         """Write the step into the persistent buffers and upload them.
 
+        A sequence's newest token may still be pending (sampled by the step in flight, not
+        yet read back): its input id is copied from that step's output on the device.
         padded_size: for a decode-only step run as a CUDA graph of that batch size, the
         rows past the batch are filled with harmless padding (stored nowhere).
         """
-        bs, buf = self.block_size, self.buffers.host
+        bs, buf = self.block_size, self.buffers.next_host()
         num_seqs = len(batch)
         num_new = np.array(batch.num_new_tokens, dtype=np.int64)
-        computed = np.array([seq.num_computed_tokens for seq in batch.seqs], dtype=np.int64)
+        computed = np.array(batch.num_computed_tokens, dtype=np.int64)
         seq_lens = computed + num_new
         query_start_loc = buf["query_start_loc"]
         query_start_loc[0] = 0
@@ -187,9 +202,15 @@ class ModelRunner:
         row_of_token = np.repeat(np.arange(num_seqs), num_new)
         positions = computed[row_of_token] + np.arange(num_tokens) - query_start_loc[row_of_token]
         buf["positions"][:num_tokens] = positions
-        buf["input_ids"][:num_tokens] = np.fromiter(
-            (t for seq, c, n in zip(batch.seqs, computed, num_new) for t in seq.token_ids[c:c + n]),
-            dtype=np.int64, count=num_tokens)
+        input_ids = buf["input_ids"]
+        pending_dst, pending_src = [], []
+        for i, (seq, start, end) in enumerate(zip(batch.seqs, computed.tolist(), seq_lens.tolist())):
+            offset = int(query_start_loc[i])
+            known_end = min(end, len(seq.token_ids))
+            input_ids[offset:offset + known_end - start] = seq.token_ids[start:known_end]
+            if known_end < end:  # the last input is the pending token of the step in flight
+                pending_dst.append(offset + end - start - 1)
+                pending_src.append(self.last_sampled_rows[seq.seq_id])
         block_tables = buf["block_tables"]
         block_tables[:num_seqs] = 0  # no stale block ids from an earlier step
         for i, seq in enumerate(batch.seqs):
@@ -197,8 +218,7 @@ class ModelRunner:
         buf["slot_mapping"][:num_tokens] = (
             block_tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs)
         buf["seq_lens"][:num_seqs] = seq_lens
-        # Sample where a sequence's last known token is computed this step.
-        sampled = seq_lens == np.array([seq.num_tokens for seq in batch.seqs])
+        sampled = np.array(batch.samples, dtype=bool)
         logits_indices = query_start_loc[1:num_seqs + 1][sampled] - 1
         buf["logits_indices"][:len(logits_indices)] = logits_indices
         rows, tokens = num_seqs, num_tokens
@@ -220,16 +240,23 @@ class ModelRunner:
             query_start_loc_cpu=query_start_loc[:num_seqs + 1].tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
-        return ModelInputs(
+        inputs = ModelInputs(
             input_ids=upload("input_ids", tokens),
             positions=upload("positions", tokens),
             meta=meta,
             logits_indices=upload("logits_indices", len(logits_indices)),
-            sampled_seqs=[seq for seq, s in zip(batch.seqs, sampled) if s],
+            sampled_seqs=[seq for seq, s in zip(batch.seqs, batch.samples) if s],
         )
+        self.buffers.uploads_queued()
+        if pending_dst:
+            dst = torch.tensor(pending_dst, dtype=torch.int64).to(self.device, non_blocking=True)
+            src = torch.tensor(pending_src, dtype=torch.int64).to(self.device, non_blocking=True)
+            inputs.input_ids[dst] = self.last_sampled[src]
+        return inputs
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
+    def launch(self, batch: ScheduledBatch) -> StepHandle:
+        """Queue the step's forward pass and sampling on the device; don't wait for them."""
         is_decode = all(n == 1 for n in batch.num_new_tokens)
         padded_size = self.decode_graphs.padded_size(len(batch)) if is_decode and self.decode_graphs else None
         inputs = self.prepare_inputs(batch, padded_size)
@@ -239,18 +266,40 @@ class ModelRunner:
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)[inputs.logits_indices]
         if not inputs.sampled_seqs:
-            return []
+            return StepHandle([], None, None, None)
         logits = self.model.compute_logits(hidden)
         rows = [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator)
                 for seq in inputs.sampled_seqs]
-        sampling_meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
-        out = self.sampler(logits, sampling_meta)
-        token_ids = out.sampled_token_ids.tolist()
-        logprobs: list[dict[int, tuple[float, int]] | None] = [None] * len(token_ids)
+        out = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
+        # The next step reads these on the device, for sequences whose token is still pending.
+        self.last_sampled = out.sampled_token_ids
+        self.last_sampled_rows = {seq.seq_id: row for row, seq in enumerate(inputs.sampled_seqs)}
+        to_host = [out.sampled_token_ids]
         if out.logprobs is not None:
-            logprobs = self._logprob_dicts(inputs.sampled_seqs, out.logprob_token_ids.tolist(),
-                                           out.logprobs.tolist(), out.sampled_token_ranks.tolist())
-        return [SampledToken(seq, token, lp) for seq, token, lp in zip(inputs.sampled_seqs, token_ids, logprobs)]
+            to_host += [out.logprob_token_ids, out.logprobs, out.sampled_token_ranks]
+        host = [tensor.to("cpu", non_blocking=True) for tensor in to_host]
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return StepHandle(inputs.sampled_seqs, host, out.logprobs is not None, done)
+
+    def collect(self, handle: StepHandle) -> list[SampledToken]:
+        """Wait for a launched step and return its sampled tokens."""
+        if not handle.sampled_seqs:
+            return []
+        if handle.done is not None:
+            handle.done.synchronize()
+        token_ids = handle.host[0].tolist()
+        logprobs: list[dict[int, tuple[float, int]] | None] = [None] * len(token_ids)
+        if handle.has_logprobs:
+            ids, values, ranks = (tensor.tolist() for tensor in handle.host[1:])
+            logprobs = self._logprob_dicts(handle.sampled_seqs, ids, values, ranks)
+        return [SampledToken(seq, token, lp) for seq, token, lp in zip(handle.sampled_seqs, token_ids, logprobs)]
+
+    def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
+        """Run one step to completion (launch + collect)."""
+        return self.collect(self.launch(batch))
 
     @staticmethod
     def _logprob_dicts(seqs: list[Sequence], ids: list[list[int]], values: list[list[float]],

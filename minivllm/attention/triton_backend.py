@@ -1,0 +1,127 @@
+"""Triton attention backend: KV store, paged prefill/mixed attention, split-KV decode.
+
+Same interface as the torch reference backend (torch_backend.py):
+    store_kv(key, value, k_cache, v_cache, meta)
+    attend(q, k_cache, v_cache, meta, scale) -> out
+
+Decode-only steps (meta.max_query_len == 1) take the split-KV decode kernel; every other
+step takes the mixed kernel. Both are CUDA-graph capturable: launch sizes come from tensor
+shapes and meta.max_seq_len only (under graphs pass max_model_len as max_seq_len), real
+lengths are read from meta.seq_lens on the device.
+"""
+
+import torch
+import triton
+
+from minivllm.attention.metadata import AttentionMetadata
+from minivllm.kernels.kv_store import store_kvcache
+from minivllm.kernels.paged_attention import (
+    DECODE_MAX_SPLITS,
+    decode_num_splits,
+    paged_attention_decode,
+    paged_attention_mixed,
+)
+
+
+class TritonAttentionBackend:
+    """Attention through the Triton kernels.
+
+    Split-KV decode writes per-split partial results to an fp32 workspace that this object
+    owns and shares across layers (they run one after another on one stream). To keep CUDA
+    graph capture free of allocations, give the model's shapes at construction:
+
+        num_q_heads, num_kv_heads, head_dim: per-rank attention shape (after TP sharding).
+        max_num_seqs: the largest decode batch (the largest captured graph batch size).
+        max_splits: cap on programs per (sequence, KV head) context (default 32).
+        device: where the workspace lives.
+
+    The workspace is then sized for the worst case of decode_num_splits() over every batch
+    size <= max_num_seqs (a few MB at most). Without these arguments it is allocated on
+    first use and grown when needed; growing while a CUDA graph is being captured raises.
+    """
+
+    def __init__(
+        self,
+        num_q_heads: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        max_num_seqs: int | None = None,
+        max_splits: int = DECODE_MAX_SPLITS,
+        device: torch.device | str | None = None,
+        num_sms: int | None = None,
+    ):
+        self.max_splits = max_splits
+        self._num_sms = num_sms
+        self._part_out: torch.Tensor | None = None  # [rows * head_dim] fp32
+        self._part_lse: torch.Tensor | None = None  # [rows] fp32
+        if None not in (num_q_heads, num_kv_heads, head_dim, max_num_seqs):
+            device = torch.device(device if device is not None else "cuda")
+            num_sms = self._sm_count(device)
+            # Over all batch sizes the split heuristic can see (max_seq_len unbounded),
+            # the largest batch * splits product bounds every decode step's workspace.
+            rows = max(
+                b * decode_num_splits(b, num_kv_heads, 1 << 30, num_sms, max_splits)
+                for b in range(1, max_num_seqs + 1)
+            ) * num_q_heads
+            self._alloc_workspace(rows, head_dim, device)
+
+    # -- public interface ----------------------------------------------------------------
+    def store_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        store_kvcache(key, value, k_cache, v_cache, meta.slot_mapping)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if meta.is_decode_only:
+            num_seqs, num_q_heads, head_dim = q.shape
+            num_splits = decode_num_splits(
+                num_seqs, k_cache.shape[2], meta.max_seq_len, self._sm_count(q.device), self.max_splits)
+            part_out = part_lse = None
+            if num_splits > 1:
+                part_out, part_lse = self._workspace(num_seqs * num_q_heads * num_splits, head_dim, q.device)
+            return paged_attention_decode(
+                q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, num_splits,
+                part_out=part_out, part_lse=part_lse)
+        return paged_attention_mixed(
+            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
+
+    # -- helpers -------------------------------------------------------------------------
+    def _sm_count(self, device: torch.device) -> int:
+        if self._num_sms is None:
+            if device.type == "cuda":
+                self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+            else:  # Triton interpreter on CPU: a small "GPU" so the tests see several splits
+                self._num_sms = 4
+        return self._num_sms
+
+    def _alloc_workspace(self, rows: int, head_dim: int, device: torch.device) -> None:
+        self._part_out = torch.empty(rows * head_dim, dtype=torch.float32, device=device)
+        self._part_lse = torch.empty(rows, dtype=torch.float32, device=device)
+
+    def _workspace(self, rows: int, head_dim: int, device: torch.device):
+        ok = (
+            self._part_out is not None
+            and self._part_out.device == device
+            and self._part_lse.numel() >= rows
+            and self._part_out.numel() >= rows * head_dim
+        )
+        if not ok:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"split-KV decode workspace too small ({rows} rows x {head_dim} needed) "
+                    "during CUDA graph capture: construct TritonAttentionBackend with "
+                    "num_q_heads, num_kv_heads, head_dim and max_num_seqs")
+            self._alloc_workspace(triton.next_power_of_2(rows), head_dim, device)
+        return self._part_out, self._part_lse

@@ -1,0 +1,31 @@
+"""Triton kernels (GPU; on CPU they run under Triton's interpreter, TRITON_INTERPRET=1)."""
+
+import os
+
+
+def patch_triton_interpreter() -> None:
+    """Make Triton 3.6's interpreter work with NumPy >= 2.4.
+
+    The interpreter holds every scalar as a 1-element array and converts it with
+    int(array), which NumPy 2.4 turned into an error: any loop with a bound read at run
+    time (`for t in range(0, n)`) then fails. Convert through the array's single element.
+    Only interpreter runs are affected; compiled kernels never see this code. Idempotent.
+    """
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # a Triton without the interpreter module: nothing to patch
+        return
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_minivllm_patched", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._minivllm_patched = True
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    patch_triton_interpreter()

@@ -1,0 +1,507 @@
+"""Attention over the paged KV cache, in Triton.
+
+Two kernels share one inner step (`_attend_kv_tile`: scores for a tile of keys, online
+softmax update, weighted sum of values, all accumulated in fp32):
+
+* `paged_attention_mixed` - any batch: prompt chunks attend causally to their cached prefix
+  (read through the block table) and to themselves; decode rows (query length 1) ride in
+  the same launch. One program = one tile of BLOCK_Q query tokens x the GQA group of query
+  heads that share one KV head, so each K/V tile loaded feeds every head of the group.
+
+* `paged_attention_decode` - decode-only batches (every query length 1), the hot path that
+  runs inside CUDA graphs. Flash-decoding: each (sequence, KV head) context is split into
+  NUM_SPLITS contiguous ranges handled by separate programs, so that small batches still
+  fill the GPU; a second kernel merges the partial results through their log-sum-exps.
+  The query heads of a GQA group form the rows of one tile (padded to 16, the smallest
+  tl.dot M) so the scores and the value sum run on tensor cores and K/V are read once.
+
+Layout (see minivllm/attention/metadata.py): k_cache, v_cache are
+[num_blocks, block_size, num_kv_heads, head_dim]; token t of sequence b lives in block
+block_tables[b, t // block_size] at offset t % block_size. K/V tiles are gathered token by
+token (each token looks up its block id), which makes BLOCK_N independent of block_size.
+
+Everything is capturable in CUDA graphs: no host synchronisation, and launch grids depend
+only on tensor shapes and on the `max_seq_len` argument (for decode); actual lengths are
+read from seq_lens on the device.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # softmax runs in base 2 (exp2 is the native instruction)
+
+
+# ----------------------------------------------------------------------------------------
+# Shared inner loop
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _attend_kv_tiles(
+    acc, l_i, m_i,  # running output [M, D] (unnormalised), softmax denominator [M], row max [M]
+    q,  # [M, D] query tile
+    k_cache_ptr, v_cache_ptr,
+    block_table_ptr,  # this sequence's row of block_tables
+    kv_head_off,  # kv_head * stride of the head axis
+    tile_begin, tile_end,  # key tiles [tile_begin, tile_end), BLOCK_N keys each
+    kv_len,  # keys at positions >= kv_len are not attended (and not read)
+    q_pos,  # [M] position of each query row (used when CAUSAL)
+    scale_log2,  # softmax scale * log2(e)
+    stride_cb, stride_cs,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MASK_KV: tl.constexpr,  # tiles may reach past kv_len: mask loads and scores
+    CAUSAL: tl.constexpr,  # tiles may hold keys after some query row: causal mask
+    DOT_PRECISION: tl.constexpr,
+):
+    # The whole loop is one helper (not one call per tile) because Triton's interpreter
+    # pays a large fixed cost for every call of a jitted function; compiled, it is inlined.
+    offs_d = tl.arange(0, HEAD_DIM)
+    for t in range(tile_begin, tile_end):
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        kv_valid = offs_n < kv_len
+        # Each token looks up its page; tokens of one page repeat the same id (an L1 hit).
+        if MASK_KV:
+            block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=kv_valid, other=0)
+        else:
+            block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE)
+        # int64: block_id * stride_cb can pass 2**31 elements in a large cache.
+        kv_offs = block_ids.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head_off
+        kv_ptrs = kv_offs[:, None] + offs_d[None, :]
+        if MASK_KV:
+            k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_valid[:, None], other=0.0)
+        else:
+            k = tl.load(k_cache_ptr + kv_ptrs)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, N], base 2
+        if CAUSAL:
+            s = tl.where((offs_n[None, :] <= q_pos[:, None]) & kv_valid[None, :], s, float("-inf"))
+        elif MASK_KV:
+            s = tl.where(kv_valid[None, :], s, float("-inf"))
+
+        # Online softmax. m_i starts at a finite -1e30 rather than -inf, so a row whose keys
+        # are all masked so far keeps alpha = exp2(0) = 1 and p = 0 instead of NaN.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+        if MASK_KV:
+            v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_valid[:, None], other=0.0)
+        else:
+            v = tl.load(v_cache_ptr + kv_ptrs)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_i
+
+
+# ----------------------------------------------------------------------------------------
+# Mixed batches: prompt chunks over a cached prefix, plus decode rows
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """The sequence that owns query tile `tile` (binary search, log2(B) scalar loads).
+
+    Sequence b's tiles are numbered from query_start_loc[b] // BLOCK_Q + b on: the "+ b"
+    leaves room for the partial tile a sequence may end with, so no host-side prefix sum
+    of tile counts is needed and the grid (N // BLOCK_Q + B tiles) depends on shapes only.
+    Returns the last b whose first tile is <= tile.
+    """
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _mixed_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    num_seqs,
+    scale_log2,
+    stride_qn, stride_qh,
+    stride_on, stride_oh,
+    stride_cb, stride_cs, stride_ch,
+    stride_bt,
+    GQA: tl.constexpr,  # query heads per KV head
+    GQA_PAD: tl.constexpr,  # GQA rounded up to a power of two
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_N: tl.constexpr,  # keys per inner step
+    DOT_PRECISION: tl.constexpr,
+):
+    # Tile rows are (query token, head of the GQA group) pairs: row r is token r // GQA_PAD,
+    # head kv_head * GQA + r % GQA_PAD, so one K/V tile serves the whole group.
+    BLOCK_M: tl.constexpr = BLOCK_Q * GQA_PAD
+    # Launch the last tiles first: late tiles of long prompts see the most keys, and
+    # starting the longest work first evens out the tail of the launch.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    seq = _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    q_begin = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
+    q_tile_start = (tile - (q_begin // BLOCK_Q + seq)) * BLOCK_Q
+    if q_tile_start >= q_len:  # spare tile (the grid is an upper bound)
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - q_len  # tokens already cached before this chunk
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile_start + rows // GQA_PAD  # token index within the chunk
+    head = kv_head * GQA + rows % GQA_PAD
+    row_valid = (q_idx < q_len) & (rows % GQA_PAD < GQA)
+    q_pos = prefix_len + q_idx  # absolute position of each row's token
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_rows = (q_begin + q_idx).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_valid[:, None], other=0.0)
+
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_head_off = kv_head * stride_ch
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    # Keys 0 .. prefix_len + q_tile_start are visible to every row of the tile: whole
+    # BLOCK_N tiles of them need no mask at all (the bulk of the work for long contexts).
+    num_unmasked = (prefix_len + q_tile_start + 1) // BLOCK_N
+    acc, l_i, m_i = _attend_kv_tiles(
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head_off,
+        0, num_unmasked, seq_len, q_pos, scale_log2, stride_cb, stride_cs,
+        BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, False, DOT_PRECISION)
+    # The rest, up to the tile's last token, crosses the causal diagonal.
+    kv_end = prefix_len + tl.minimum(q_tile_start + BLOCK_Q, q_len)
+    acc, l_i, m_i = _attend_kv_tiles(
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head_off,
+        num_unmasked, (kv_end + BLOCK_N - 1) // BLOCK_N, kv_end, q_pos, scale_log2, stride_cb, stride_cs,
+        BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, True, DOT_PRECISION)
+
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows only; keeps them finite
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + q_rows[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+# ----------------------------------------------------------------------------------------
+# Decode: split-KV (flash-decoding) + reduce
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr,
+    out_ptr,  # [B, Hq, D], written directly when NUM_SPLITS == 1
+    part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32: each split's normalised output
+    part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32: each split's log2-sum-exp2 of scores
+    seq_lens_ptr, block_tables_ptr,
+    scale_log2,
+    num_q_heads,
+    stride_qn, stride_qh,
+    stride_on, stride_oh,
+    stride_cb, stride_cs, stride_ch,
+    stride_bt,
+    GQA: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # rows of the query tile: GQA padded to a power of two >= 16
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # This sequence's context is shared evenly across the splits in whole BLOCK_N tiles
+    # (so only its very last tile needs masks). Real lengths come from the device, the
+    # split count from the launch: short sequences leave their last splits empty.
+    # (Ceiling divisions are spelled out: tl.cdiv is a jitted call, slow in the interpreter.)
+    tiles_per_split = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N
+    split_len = tiles_per_split * BLOCK_N
+    kv_start = split * split_len
+    num_keys = tl.maximum(tl.minimum(seq_len - kv_start, split_len), 0)
+
+    rows = tl.arange(0, BLOCK_H)
+    head = kv_head * GQA + rows
+    row_valid = rows < GQA
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_valid[:, None], other=0.0)
+
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_head_off = kv_head * stride_ch
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    first_tile = split * tiles_per_split
+    num_full = num_keys // BLOCK_N
+    # q_pos is unused without CAUSAL (m_i stands in for it).
+    acc, l_i, m_i = _attend_kv_tiles(
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head_off,
+        first_tile, first_tile + num_full, seq_len, m_i, scale_log2, stride_cb, stride_cs,
+        BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, False, DOT_PRECISION)
+    acc, l_i, m_i = _attend_kv_tiles(  # at most one ragged tile, at the end of the context
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head_off,
+        first_tile + num_full, first_tile + (num_keys + BLOCK_N - 1) // BLOCK_N, seq_len, m_i,
+        scale_log2, stride_cb, stride_cs,
+        BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, False, DOT_PRECISION)
+
+    # l_i == 0 only for an empty split (or seq_len 0, i.e. a padded row): write zeros
+    # and lse = -inf so the reduce gives it no weight.
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + seq.to(tl.int64) * stride_on + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    else:
+        part = (seq * num_q_heads + head) * NUM_SPLITS + split  # [BLOCK_H] row of the workspace
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out,
+                 mask=row_valid[:, None])
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        tl.store(part_lse_ptr + part, lse, mask=row_valid)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr,
+    num_q_heads,
+    stride_on, stride_oh,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    # One program per (sequence, query head): out = sum_s w_s * o_s / sum_s w_s with
+    # w_s = 2 ** (lse_s - max lse): the splits' softmaxes rescaled to a common maximum.
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    valid = splits < NUM_SPLITS
+    part = (seq * num_q_heads + head) * NUM_SPLITS + splits
+    lse = tl.load(part_lse_ptr + part, mask=valid, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # every split empty (seq_len 0)
+    w = tl.exp2(lse - lse_max)
+    offs_d = tl.arange(0, HEAD_DIM)
+    o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=valid[:, None], other=0.0)
+    den = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(den == 0.0, 1.0, den)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_on + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty))
+
+
+# ----------------------------------------------------------------------------------------
+# Host wrappers
+# ----------------------------------------------------------------------------------------
+def _check_inputs(q, k_cache, v_cache, block_tables):
+    assert q.dim() == 3, f"q must be [N, Hq, D], got shape {tuple(q.shape)}"
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
+        "k_cache and v_cache must both be [num_blocks, block_size, Hkv, D]")
+    assert k_cache.stride() == v_cache.stride(), "k_cache and v_cache must have the same strides"
+    _, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    assert cache_dim == head_dim, f"q head_dim {head_dim} != cache head_dim {cache_dim}"
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
+        f"head_dim must be a power of two >= 16 (64, 128, 256...), got {head_dim}")
+    assert block_size >= 8 and block_size & (block_size - 1) == 0, (
+        f"block_size must be a power of two >= 8, got {block_size}")
+    assert num_q_heads % num_kv_heads == 0, (
+        f"query heads {num_q_heads} must be a multiple of KV heads {num_kv_heads}")
+    assert q.dtype == k_cache.dtype == v_cache.dtype, (
+        f"q ({q.dtype}) and the KV cache ({k_cache.dtype}) must have the same dtype")
+    assert q.dtype in (torch.bfloat16, torch.float16, torch.float32), f"unsupported dtype {q.dtype}"
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1, "the head_dim axis must be contiguous"
+    assert block_tables.dtype == torch.int32, "block_tables must be int32"
+    return num_q_heads, num_kv_heads, head_dim, block_size
+
+
+def _dot_precision(dtype):
+    # fp32 inputs would otherwise go through TF32 (10-bit mantissa); fp32 is the
+    # "exact" option, so keep it exact. 16-bit inputs ignore this.
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def mixed_config(head_dim: int, dtype: torch.dtype, gqa: int) -> dict:
+    """Tile sizes for the mixed kernel: BLOCK_M = BLOCK_Q * GQA_PAD query rows per program.
+
+    Shared memory per program is ~ (BLOCK_M + 2 * stages * BLOCK_N) * D * bytes; keep it
+    under ~130 KB so the H100/H200's 228 KB fits one large program plus pipelining.
+    """
+    row_bytes = head_dim * torch.empty((), dtype=dtype).element_size()
+    if row_bytes <= 256:  # bf16/fp16 up to D=128, fp32 D=64
+        block_m, block_n, warps, stages = 128, 64, (8 if head_dim >= 128 else 4), 3
+    elif row_bytes <= 512:  # bf16 D=256, fp32 D=128
+        block_m, block_n, warps, stages = 64, 32, 4, 2
+    else:  # fp32 D=256
+        block_m, block_n, warps, stages = 32, 16, 4, 2
+    gqa_pad = triton.next_power_of_2(gqa)
+    block_q = max(1, block_m // gqa_pad)
+    return dict(BLOCK_Q=block_q, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+
+
+def paged_attention_mixed(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Causal attention of q [N, Hq, D] over the paged cache, for any mix of prompt chunks
+    (with or without a cached prefix) and decode rows. The new tokens' K/V must already be
+    in the cache (store_kvcache first). Returns out [N, Hq, D] (q's dtype).
+
+    query_start_loc [B+1] int32, seq_lens [B] int32, block_tables [B, max_blocks] int32.
+    `config` overrides mixed_config() (keys BLOCK_Q, BLOCK_N, num_warps, num_stages).
+    """
+    num_q_heads, num_kv_heads, head_dim, block_size = _check_inputs(q, k_cache, v_cache, block_tables)
+    num_tokens = q.shape[0]
+    num_seqs = seq_lens.shape[0]
+    assert query_start_loc.shape == (num_seqs + 1,), "query_start_loc must be [B + 1]"
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    gqa = num_q_heads // num_kv_heads
+    cfg = mixed_config(head_dim, q.dtype, gqa) if config is None else config
+    block_q = cfg["BLOCK_Q"]
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)  # upper bound on query tiles
+    _mixed_attention_kernel[grid](
+        q, k_cache, v_cache, out,
+        query_start_loc, seq_lens, block_tables,
+        num_seqs,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        GQA=gqa,
+        GQA_PAD=triton.next_power_of_2(gqa),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=block_q,
+        BLOCK_N=cfg["BLOCK_N"],
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+# Split-KV heuristic constants (tuned on an H200, see benchmarks/attention_kernels.py).
+DECODE_PROGRAMS_PER_SM = 4  # aim for this many (seq, kv head, split) programs per SM
+DECODE_MIN_TOKENS_PER_SPLIT = 128  # a split shorter than this costs more than it saves
+DECODE_MAX_SPLITS = 32
+
+
+def decode_config(head_dim: int, dtype: torch.dtype) -> dict:
+    """Tile sizes for the split-KV decode kernel (memory-bound: K/V tiles in flight matter)."""
+    row_bytes = head_dim * torch.empty((), dtype=dtype).element_size()
+    if row_bytes <= 256:
+        return dict(BLOCK_N=64, num_warps=4, num_stages=3)
+    if row_bytes <= 512:
+        return dict(BLOCK_N=32, num_warps=4, num_stages=3)
+    return dict(BLOCK_N=16, num_warps=4, num_stages=2)
+
+
+def decode_num_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    num_sms: int,
+    max_splits: int = DECODE_MAX_SPLITS,
+) -> int:
+    """How many programs share one (sequence, KV head) context. Depends only on host
+    integers (the batch shape, max_seq_len, the GPU), never on device data, so a captured
+    graph keeps a valid launch. Enough programs to fill the GPU, but no split shorter than
+    DECODE_MIN_TOKENS_PER_SPLIT tokens of max_seq_len."""
+    want = triton.cdiv(DECODE_PROGRAMS_PER_SM * num_sms, max(1, num_seqs * num_kv_heads))
+    by_len = triton.cdiv(max(1, max_seq_len), DECODE_MIN_TOKENS_PER_SPLIT)
+    return max(1, min(want, by_len, max_splits))
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    out: torch.Tensor | None = None,
+    part_out: torch.Tensor | None = None,
+    part_lse: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Decode attention: q [B, Hq, D] holds one new token per sequence (row b = sequence b),
+    at position seq_lens[b] - 1, attending to cached tokens 0 .. seq_lens[b] - 1 (its own
+    K/V must already be stored). seq_lens[b] == 0 (a padded row) gives zeros.
+
+    num_splits: programs per (sequence, KV head); pick it with decode_num_splits().
+    part_out / part_lse: fp32 workspace with at least B * Hq * num_splits * D and
+    B * Hq * num_splits elements (allocated here if None; pass preallocated buffers under
+    CUDA graphs). Unused when num_splits == 1.
+    """
+    num_q_heads, num_kv_heads, head_dim, block_size = _check_inputs(q, k_cache, v_cache, block_tables)
+    num_seqs = seq_lens.shape[0]
+    assert q.shape[0] == num_seqs, (
+        f"decode expects one query row per sequence: q has {q.shape[0]} rows, {num_seqs} sequences")
+    assert num_splits >= 1
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_seqs == 0:
+        return out
+    gqa = num_q_heads // num_kv_heads
+    cfg = decode_config(head_dim, q.dtype) if config is None else config
+    rows = num_seqs * num_q_heads * num_splits
+    if num_splits > 1:
+        if part_out is None:
+            part_out = torch.empty(rows * head_dim, dtype=torch.float32, device=q.device)
+        if part_lse is None:
+            part_lse = torch.empty(rows, dtype=torch.float32, device=q.device)
+        assert part_out.dtype == part_lse.dtype == torch.float32, "workspace must be fp32"
+        assert part_out.numel() >= rows * head_dim and part_lse.numel() >= rows, (
+            f"decode workspace too small for {num_seqs} seqs x {num_q_heads} heads x "
+            f"{num_splits} splits x {head_dim}")
+    else:
+        part_out = part_lse = out  # not touched by the kernel when NUM_SPLITS == 1
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_out, part_lse,
+        seq_lens, block_tables,
+        scale * LOG2E,
+        num_q_heads,
+        q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        GQA=gqa,
+        BLOCK_H=max(16, triton.next_power_of_2(gqa)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=cfg["BLOCK_N"],
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_q_heads)](
+            part_out, part_lse, out,
+            num_q_heads,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+            num_warps=4,
+        )
+    return out
