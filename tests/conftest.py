@@ -10,9 +10,15 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import PreTrainedTokenizerFast
 
-from minivllm.demo import build_tiny_model, build_tokenizer
+# Without a GPU, Triton kernels run in Triton's interpreter; this must be set before
+# anything (transformers, via torch._dynamo) imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from transformers import PreTrainedTokenizerFast  # noqa: E402
+
+from minivllm.demo import build_tiny_model, build_tokenizer  # noqa: E402
 
 TinyModelFactory = Callable[..., str]
 

@@ -4,8 +4,9 @@ Same interface as the torch reference backend (torch_backend.py):
     store_kv(key, value, k_cache, v_cache, meta)
     attend(q, k_cache, v_cache, meta, scale) -> out
 
-Decode-only steps (meta.max_query_len == 1) take the split-KV decode kernel; every other
-step takes the mixed kernel. Both are CUDA-graph capturable: launch sizes come from tensor
+Decode-only steps (meta.max_query_len == 1) take the split-KV decode kernel. Mixed steps
+send their leading one-token sequences (decodes; the scheduler puts them first) to the
+decode kernel too, and the rest to the mixed kernel. Both are CUDA-graph capturable: launch sizes come from tensor
 shapes and meta.max_seq_len only (under graphs pass max_model_len as max_seq_len), real
 lengths are read from meta.seq_lens on the device.
 """
@@ -85,17 +86,38 @@ class TritonAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         if meta.is_decode_only:
-            num_seqs, num_q_heads, head_dim = q.shape
-            num_splits = decode_num_splits(
-                num_seqs, k_cache.shape[2], meta.max_seq_len, self._sm_count(q.device), self.max_splits)
-            part_out = part_lse = None
-            if num_splits > 1:
-                part_out, part_lse = self._workspace(num_seqs * num_q_heads * num_splits, head_dim, q.device)
-            return paged_attention_decode(
-                q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, num_splits,
-                part_out=part_out, part_lse=part_lse)
-        return paged_attention_mixed(
-            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
+            return self._decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables,
+                                meta.max_seq_len, scale)
+        # Mixed step. Sequences with one new token at the front of the batch (the running
+        # sequences' decodes, which the scheduler places first) go to the decode kernel: in
+        # the mixed kernel each would occupy a whole query tile, wasting its matmul work.
+        # (Needs the host copy of query_start_loc; without it everything takes the mixed kernel.)
+        num_seqs = meta.seq_lens.shape[0]
+        qsl = meta.query_start_loc_cpu
+        num_decodes = 0
+        if qsl is not None:
+            num_decodes = next((b for b in range(num_seqs) if qsl[b + 1] != b + 1), num_seqs)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if num_decodes > 0:
+            self._decode(q[:num_decodes], k_cache, v_cache, meta.seq_lens[:num_decodes],
+                         meta.block_tables[:num_decodes], meta.max_seq_len, scale,
+                         out=out[:num_decodes])
+        if num_decodes < num_seqs:
+            paged_attention_mixed(
+                q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                scale, out=out, first_seq=num_decodes, first_token=qsl[num_decodes] if qsl else 0)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, seq_lens, block_tables, max_seq_len, scale, out=None):
+        num_seqs, num_q_heads, head_dim = q.shape
+        num_splits = decode_num_splits(
+            num_seqs, k_cache.shape[2], max_seq_len, self._sm_count(q.device), self.max_splits)
+        part_out = part_lse = None
+        if num_splits > 1:
+            part_out, part_lse = self._workspace(num_seqs * num_q_heads * num_splits, head_dim, q.device)
+        return paged_attention_decode(
+            q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits,
+            out=out, part_out=part_out, part_lse=part_lse)
 
     # -- helpers -------------------------------------------------------------------------
     def _sm_count(self, device: torch.device) -> int:

@@ -48,8 +48,8 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
-        # Sane inputs for capture: every row one token at position 0 of block 0, stored nowhere.
-        for name, value in (("input_ids", 0), ("positions", 0), ("seq_lens", 1), ("block_tables", 0),
+        # Sane inputs for capture: every row an empty padding row, stored nowhere.
+        for name, value in (("input_ids", 0), ("positions", 0), ("seq_lens", 0), ("block_tables", 0),
                             ("slot_mapping", -1)):
             self.buffers.device[name].fill_(value)
         self.buffers.device["query_start_loc"].copy_(

@@ -167,8 +167,7 @@ class ModelRunner:
         layers = self.model.attention_layers()
         attn = layers[0]
         # One allocation for all layers' K and V (DESIGN: carved from one tensor).
-        # Zeroed: padded rows of a CUDA graph read block 0, and must read finite values.
-        self.kv_cache = torch.zeros(2, len(layers), num_blocks, self.block_size, attn.num_kv_heads,
+        self.kv_cache = torch.empty(2, len(layers), num_blocks, self.block_size, attn.num_kv_heads,
                                     attn.head_dim, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
@@ -227,7 +226,7 @@ class ModelRunner:
             pad = slice(num_seqs, padded_size)
             buf["input_ids"][pad] = buf["positions"][pad] = buf["block_tables"][pad] = 0
             buf["slot_mapping"][pad] = -1
-            buf["seq_lens"][pad] = 1
+            buf["seq_lens"][pad] = 0  # the decode kernel skips empty rows
             query_start_loc[num_seqs + 1:padded_size + 1] = np.arange(num_seqs + 1, padded_size + 1)
         upload = self.buffers.upload
         meta = AttentionMetadata(

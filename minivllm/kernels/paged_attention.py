@@ -119,11 +119,12 @@ def _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "tile_offset"])
 def _mixed_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     num_seqs,
+    tile_offset,  # number of the first tile (query_start_loc[0] // BLOCK_Q)
     scale_log2,
     stride_qn, stride_qh,
     stride_on, stride_oh,
@@ -142,7 +143,7 @@ def _mixed_attention_kernel(
     BLOCK_M: tl.constexpr = BLOCK_Q * GQA_PAD
     # Launch the last tiles first: late tiles of long prompts see the most keys, and
     # starting the longest work first evens out the tail of the launch.
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    tile = tile_offset + tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
 
     seq = _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
@@ -331,13 +332,15 @@ def _dot_precision(dtype):
 def mixed_config(head_dim: int, dtype: torch.dtype, gqa: int) -> dict:
     """Tile sizes for the mixed kernel: BLOCK_M = BLOCK_Q * GQA_PAD query rows per program.
 
-    Shared memory per program is ~ (BLOCK_M + 2 * stages * BLOCK_N) * D * bytes; keep it
-    under ~130 KB so the H100/H200's 228 KB fits one large program plus pipelining.
+    Shared memory per program is ~ (BLOCK_M + 2 * stages * BLOCK_N) * D * bytes and must
+    stay under the H100/H200's 227 KB. On an H200, bf16 D=128, an 8192-token causal prompt:
+    128 x 128 tiles, 8 warps, 2 stages ran at 331 TFLOP/s; 128 x 64 with 3 stages, 311.
     """
-    row_bytes = head_dim * torch.empty((), dtype=dtype).element_size()
-    if row_bytes <= 256:  # bf16/fp16 up to D=128, fp32 D=64
-        block_m, block_n, warps, stages = 128, 64, (8 if head_dim >= 128 else 4), 3
-    elif row_bytes <= 512:  # bf16 D=256, fp32 D=128
+    elt = torch.empty((), dtype=dtype).element_size()
+    row_bytes = head_dim * elt
+    if elt == 2 and head_dim <= 128:  # bf16/fp16, D <= 128: 164 KB at D=128
+        block_m, block_n, warps, stages = 128, 128, 8, 2
+    elif row_bytes <= 512:  # bf16 D=256, fp32 D<=128
         block_m, block_n, warps, stages = 64, 32, 4, 2
     else:  # fp32 D=256
         block_m, block_n, warps, stages = 32, 16, 4, 2
@@ -356,30 +359,39 @@ def paged_attention_mixed(
     scale: float,
     out: torch.Tensor | None = None,
     config: dict | None = None,
+    first_seq: int = 0,
+    first_token: int = 0,
 ) -> torch.Tensor:
     """Causal attention of q [N, Hq, D] over the paged cache, for any mix of prompt chunks
     (with or without a cached prefix) and decode rows. The new tokens' K/V must already be
     in the cache (store_kvcache first). Returns out [N, Hq, D] (q's dtype).
 
     query_start_loc [B+1] int32, seq_lens [B] int32, block_tables [B, max_blocks] int32.
+    first_seq > 0: compute only sequences first_seq..B-1 (rows first_token.. of out; other
+    rows are left as they are); first_token must equal query_start_loc[first_seq], given
+    as a host int so that nothing synchronises.
     `config` overrides mixed_config() (keys BLOCK_Q, BLOCK_N, num_warps, num_stages).
     """
     num_q_heads, num_kv_heads, head_dim, block_size = _check_inputs(q, k_cache, v_cache, block_tables)
     num_tokens = q.shape[0]
-    num_seqs = seq_lens.shape[0]
-    assert query_start_loc.shape == (num_seqs + 1,), "query_start_loc must be [B + 1]"
+    assert query_start_loc.shape == (seq_lens.shape[0] + 1,), "query_start_loc must be [B + 1]"
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if num_tokens == 0 or num_seqs == 0:
+    num_seqs = seq_lens.shape[0] - first_seq
+    if num_tokens == 0 or num_seqs <= 0:
         return out
     gqa = num_q_heads // num_kv_heads
     cfg = mixed_config(head_dim, q.dtype, gqa) if config is None else config
     block_q = cfg["BLOCK_Q"]
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)  # upper bound on query tiles
+    # Tiles are numbered query_start_loc[b] // BLOCK_Q + b (see _find_seq): the last one is
+    # below num_tokens // BLOCK_Q + B, the first is first_token // BLOCK_Q.
+    tile_offset = first_token // block_q
+    grid = (num_tokens // block_q + num_seqs - tile_offset, num_kv_heads)
     _mixed_attention_kernel[grid](
         q, k_cache, v_cache, out,
-        query_start_loc, seq_lens, block_tables,
+        query_start_loc[first_seq:], seq_lens[first_seq:], block_tables[first_seq:],
         num_seqs,
+        tile_offset,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         out.stride(0), out.stride(1),
@@ -398,14 +410,19 @@ def paged_attention_mixed(
     return out
 
 
-# Split-KV heuristic constants (tuned on an H200, see benchmarks/attention_kernels.py).
+# Split-KV heuristic constants (H200, benchmarks/attention_kernels.py --sweep). With the
+# default tiles (39 KB shared memory, ~120 registers) 4 programs fit on an SM at once. At
+# batch 256 x ctx ~1000 one split reads K/V at 4.12 TB/s; two splits cost ~3% more.
 DECODE_PROGRAMS_PER_SM = 4  # aim for this many (seq, kv head, split) programs per SM
 DECODE_MIN_TOKENS_PER_SPLIT = 128  # a split shorter than this costs more than it saves
 DECODE_MAX_SPLITS = 32
 
 
 def decode_config(head_dim: int, dtype: torch.dtype) -> dict:
-    """Tile sizes for the split-KV decode kernel (memory-bound: K/V tiles in flight matter)."""
+    """Tile sizes for the split-KV decode kernel (memory-bound: K/V tiles in flight matter).
+
+    H200, bf16 D=128, batch 256 x ctx ~1000: BLOCK_N 64 / 4 warps / 3 stages 253.5 us
+    (4.12 TB/s); 128/4/3 and 32/2/4 the same within noise; 8 warps 7-24% slower."""
     row_bytes = head_dim * torch.empty((), dtype=dtype).element_size()
     if row_bytes <= 256:
         return dict(BLOCK_N=64, num_warps=4, num_stages=3)

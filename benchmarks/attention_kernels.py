@@ -1,0 +1,201 @@
+"""Microbenchmark of the Triton paged-attention kernels (GPU only).
+
+    python benchmarks/attention_kernels.py            # the configured kernels
+    python benchmarks/attention_kernels.py --sweep    # also try other tile configs / splits
+
+Shapes are Qwen3-0.6B's (16 query heads, 8 KV heads, head_dim 128, bf16, block size 16),
+pages shuffled across the cache as after a long serving run.
+
+* Decode (split-KV kernel + reduce): batch 256 with contexts ~1000 (uniform 800..1200) and
+  batch 1 with context 1024. Reported: median time (triton.testing.do_bench, which includes
+  launch gaps; and do_bench_cudagraph, the kernel time a captured graph sees) and achieved
+  bandwidth = bytes of K and V that must be read / time, against 4.24 TB/s (BENCH.md's
+  measured device copy; this script also times a torch copy, for reference only: its
+  first version, a uint8 copy, read 2.78 TB/s, well below BENCH.md's figure).
+* A chunked-prefill step (255 decodes + one 2048-token chunk): the backend's split
+  (decodes -> decode kernel) against the mixed kernel doing everything.
+* Mixed kernel: one 8192-token prompt chunk (causal, no cached prefix), in TFLOP/s
+  (4 * Hq * D * visible (query, key) pairs), beside torch SDPA on the same contiguous K/V.
+"""
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, uninstalled
+from minivllm.kernels import paged_attention as pa  # noqa: E402
+
+HQ, HKV, D, BLOCK = 16, 8, 128, 16
+DTYPE = torch.bfloat16
+PEAK_BW = 4.24e12  # bytes/s, BENCH.md
+
+
+def build(seq_lens, seed=0):
+    """Cache with exactly enough (shuffled) blocks for the batch, plus its block tables."""
+    gen = random.Random(seed)
+    need = [triton.cdiv(s, BLOCK) for s in seq_lens]
+    num_blocks = sum(need) + 1
+    perm = list(range(num_blocks))
+    gen.shuffle(perm)
+    table = torch.zeros(len(seq_lens), max(need), dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(need):
+        table[b, :n] = torch.tensor(perm[i:i + n])
+        i += n
+    k_cache = torch.randn(num_blocks, BLOCK, HKV, D, dtype=DTYPE, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    return k_cache, v_cache, lens, table.cuda()
+
+
+def time_fn(fn):
+    eager = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    graph = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    return eager * 1e-3, graph * 1e-3  # seconds
+
+
+def copy_bandwidth():
+    x = torch.empty(1 << 29, dtype=torch.float32, device="cuda")  # 2 GiB
+    y = torch.empty_like(x)
+    _, t = time_fn(lambda: y.copy_(x))
+    return 2 * x.numel() * x.element_size() / t
+
+
+def bench_decode(name, seq_lens, sweep):
+    k_cache, v_cache, lens, table = build(seq_lens)
+    batch = len(seq_lens)
+    q = torch.randn(batch, HQ, D, dtype=DTYPE, device="cuda")
+    kv_bytes = sum(seq_lens) * HKV * D * 2 * k_cache.element_size()  # K and V, every head
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    default_splits = pa.decode_num_splits(batch, HKV, max(seq_lens), sms)
+    graph_splits = pa.decode_num_splits(batch, HKV, 4096, sms)  # as captured: max_model_len
+    default_cfg = pa.decode_config(D, DTYPE)
+    print(f"\n== decode {name}: batch {batch}, context total {sum(seq_lens)} "
+          f"(mean {sum(seq_lens) / batch:.0f}), K+V bytes {kv_bytes / 1e6:.1f} MB", flush=True)
+    print(f"   heuristic splits: {default_splits} (max_seq_len = batch max), "
+          f"{graph_splits} (max_seq_len = 4096); config {default_cfg}")
+    variants = [(default_cfg, default_splits, "default")]
+    if graph_splits != default_splits:
+        variants.append((default_cfg, graph_splits, "default, graph splits"))
+    if sweep:
+        if batch >= 64:
+            configs = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 4, 5), (32, 4, 3), (32, 4, 5),
+                       (128, 4, 3), (128, 8, 3), (128, 8, 4), (64, 8, 3), (32, 2, 4)]
+            splits = [1, 2]
+        else:
+            configs = [(64, 4, 3), (32, 4, 3), (32, 4, 5), (128, 8, 3)]
+            splits = [4, 8, 16, 32]
+        for bn, w, s in configs:
+            for ns in splits:
+                variants.append((dict(BLOCK_N=bn, num_warps=w, num_stages=s), ns, ""))
+    ref = None
+    # Split-KV workspace, preallocated as the backend does (sized for the most splits).
+    max_rows = batch * HQ * max(ns for _, ns, _ in variants)
+    part_out = torch.empty(max_rows * D, dtype=torch.float32, device="cuda")
+    part_lse = torch.empty(max_rows, dtype=torch.float32, device="cuda")
+    for cfg, ns, tag in variants:
+        out = torch.empty_like(q)
+        fn = lambda: pa.paged_attention_decode(  # noqa: E731
+            q, k_cache, v_cache, lens, table, D ** -0.5, ns, out=out,
+            part_out=part_out, part_lse=part_lse, config=cfg)
+        fn()
+        if ref is None:
+            ref = out.clone()
+        else:
+            assert torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2), "variant disagrees"
+        t_eager, t_graph = time_fn(fn)
+        print(f"   BLOCK_N {cfg['BLOCK_N']:3d} warps {cfg['num_warps']} stages {cfg['num_stages']} "
+              f"splits {ns:2d}: {t_eager * 1e6:8.1f} us eager ({kv_bytes / t_eager / 1e12:5.2f} TB/s), "
+              f"{t_graph * 1e6:8.1f} us graph ({kv_bytes / t_graph / 1e12:5.2f} TB/s, "
+              f"{100 * kv_bytes / t_graph / PEAK_BW:5.1f}% of 4.24) {tag}", flush=True)
+
+
+def bench_mixed(sweep):
+    n = 8192
+    k_cache, v_cache, lens, table = build([n])
+    q = torch.randn(n, HQ, D, dtype=DTYPE, device="cuda")
+    qsl = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    flops = 4 * HQ * D * (n * (n + 1) // 2)
+    print(f"\n== mixed kernel: one {n}-token prompt, causal ({flops / 1e9:.0f} GFLOP)", flush=True)
+    default_cfg = pa.mixed_config(D, DTYPE, HQ // HKV)
+    variants = [default_cfg]
+    if sweep:
+        for bq, bn, w, s in [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3),
+                             (64, 32, 8, 4), (32, 128, 8, 2)]:
+            variants.append(dict(BLOCK_Q=bq, BLOCK_N=bn, num_warps=w, num_stages=s))
+    ref = None
+    for cfg in variants:
+        fn = lambda: pa.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, D ** -0.5, config=cfg)  # noqa: E731
+        out = fn()
+        if ref is None:
+            ref = out.clone()
+        else:
+            assert torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2), "variant disagrees"
+        t, _ = time_fn(fn)
+        print(f"   {cfg}: {t * 1e3:7.3f} ms, {flops / t / 1e12:6.1f} TFLOP/s", flush=True)
+    # Reference point: SDPA (FlashAttention) on the same keys laid out contiguously.
+    blocks = table[0, : triton.cdiv(n, BLOCK)].long()
+    # KV heads repeated for the GQA groups, so that the FlashAttention backend is eligible.
+    k = k_cache[blocks].reshape(-1, HKV, D)[:n].repeat_interleave(HQ // HKV, 1).transpose(0, 1)[None].contiguous()
+    v = v_cache[blocks].reshape(-1, HKV, D)[:n].repeat_interleave(HQ // HKV, 1).transpose(0, 1)[None].contiguous()
+    qq = q.transpose(0, 1)[None].contiguous()
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+        qq, k, v, is_causal=True, scale=D ** -0.5)
+    diff = (sdpa()[0].transpose(0, 1).float() - ref.float()).abs().max().item()
+    t, _ = time_fn(sdpa)
+    print(f"   torch SDPA (contiguous K/V): {t * 1e3:7.3f} ms, {flops / t / 1e12:6.1f} TFLOP/s "
+          f"(max |diff| vs ours {diff:.3g})", flush=True)
+
+
+def bench_mixed_step():
+    """A chunked-prefill step: 255 decodes (contexts ~1000) first, then a 2048-token chunk over
+    a 2048-token cached prefix. The backend sends the decodes to the decode kernel; compare
+    with the mixed kernel doing everything."""
+    from minivllm.attention.metadata import AttentionMetadata
+    from minivllm.attention.triton_backend import TritonAttentionBackend
+
+    gen = random.Random(1)
+    q_lens = [1] * 255 + [2048]
+    seq_lens = [gen.randint(800, 1200) for _ in range(255)] + [4096]
+    k_cache, v_cache, lens, table = build(seq_lens)
+    qsl_cpu = [0]
+    for n in q_lens:
+        qsl_cpu.append(qsl_cpu[-1] + n)
+    qsl = torch.tensor(qsl_cpu, dtype=torch.int32, device="cuda")
+    q = torch.randn(qsl_cpu[-1], HQ, D, dtype=DTYPE, device="cuda")
+    meta = AttentionMetadata(
+        query_start_loc=qsl, seq_lens=lens, block_tables=table, slot_mapping=None,
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens)
+    backend = TritonAttentionBackend(HQ, HKV, D, 256)
+    print("\n== mixed step: 255 decodes (ctx ~1000) + a 2048-token chunk over a 2048 prefix", flush=True)
+    split = backend.attend(q, k_cache, v_cache, meta, D ** -0.5)
+    whole = pa.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, D ** -0.5)
+    diff = (split.float() - whole.float()).abs().max().item()
+    t_split, _ = time_fn(lambda: backend.attend(q, k_cache, v_cache, meta, D ** -0.5))
+    t_whole, _ = time_fn(lambda: pa.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, D ** -0.5))
+    print(f"   backend (decodes -> decode kernel): {t_split * 1e6:8.1f} us; "
+          f"mixed kernel for all: {t_whole * 1e6:8.1f} us (max |diff| {diff:.3g})", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true", help="also time other tile configs and split counts")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"device copy (read + write): {copy_bandwidth() / 1e12:.2f} TB/s", flush=True)
+    gen = random.Random(0)
+    bench_decode("batch 256, ctx ~1000", [gen.randint(800, 1200) for _ in range(256)], args.sweep)
+    bench_decode("batch 1, ctx 1024", [1024], args.sweep)
+    bench_mixed(args.sweep)
+    bench_mixed_step()
+
+
+if __name__ == "__main__":
+    main()

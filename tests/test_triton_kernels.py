@@ -1,0 +1,426 @@
+"""Triton attention kernels against a naive float64 reference written here.
+
+On a machine without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1,
+small shapes, fp32/fp16: the interpreter mishandles bf16). With CUDA they run compiled,
+and the `gpu`-marked tests add realistic shapes (`pytest -m gpu`).
+"""
+
+import os
+
+import torch  # importing torch does not import triton, so the variable below still counts
+
+# On CPU, kernels must run under Triton's interpreter. `triton.jit` chooses interpreter or
+# compiler when a function is defined -- Triton's own library functions (tl.max, tl.sum...)
+# included -- so TRITON_INTERPRET must be set before anything imports triton. Setting it
+# here works when this module is the first to import triton. When another import got there
+# first (torch._dynamo imports triton, and transformers imports torch._dynamo), this
+# module's tests run in a fresh interpreter process instead (see the last test); setting
+# the variable at the top of tests/conftest.py avoids that detour.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+import random  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+RERUN_IN_SUBPROCESS = False
+if INTERPRET:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    RERUN_IN_SUBPROCESS = not isinstance(tl.max, InterpretedFunction)
+    from minivllm.kernels import patch_triton_interpreter
+
+    patch_triton_interpreter()  # NumPy >= 2.4 compatibility (see its docstring)
+
+import minivllm.attention.triton_backend as triton_backend  # noqa: E402
+import minivllm.kernels.kv_store as kv_store  # noqa: E402
+import minivllm.kernels.paged_attention as paged_attention  # noqa: E402
+from minivllm.attention.metadata import AttentionMetadata  # noqa: E402
+
+DEVICE = "cpu" if INTERPRET else "cuda"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def _needs_working_interpreter(request):
+    if RERUN_IN_SUBPROCESS and request.node.name != "test_kernels_in_fresh_interpreter_process":
+        pytest.skip("triton was imported in compiled mode before this module; "
+                    "test_kernels_in_fresh_interpreter_process runs this test instead")
+
+# (atol, rtol) per dtype: inputs are rounded to the dtype, accumulation is fp32; the
+# probabilities are rounded to the dtype before the P @ V matmul (as in FlashAttention).
+TOL = {
+    torch.float32: (2e-4, 2e-4),
+    torch.float16: (4e-3, 1e-2),
+    torch.bfloat16: (3e-2, 3e-2),
+}
+
+
+# ----------------------------------------------------------------------------------------
+# Reference and input builders
+# ----------------------------------------------------------------------------------------
+def reference_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale):
+    """Gather each sequence's pages, explicit causal mask, softmax in float64."""
+    num_q_heads = q.shape[1]
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    gqa = num_q_heads // num_kv_heads
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        q_len = qsl[b + 1] - qsl[b]
+        if q_len == 0 or seq_len == 0:
+            continue
+        blocks = block_tables[b, : triton.cdiv(seq_len, block_size)].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].double()
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].double()
+        k = k.repeat_interleave(gqa, dim=1)  # query head h uses kv head h // gqa
+        v = v.repeat_interleave(gqa, dim=1)
+        qb = q[qsl[b]: qsl[b + 1]].double()
+        scores = torch.einsum("qhd,khd->hqk", qb, k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[qsl[b]: qsl[b + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out
+
+
+def make_batch(q_lens, seq_lens, block_size, share_blocks=0, extra_blocks=5, seed=0):
+    """Block tables over a shuffled pool of blocks (so pages are never contiguous).
+
+    share_blocks > 0: every sequence's first `share_blocks` blocks are sequence 0's (a
+    shared prefix, as prefix caching produces). Returns tensors on DEVICE and num_blocks.
+    """
+    gen = random.Random(seed)
+    need = [triton.cdiv(s, block_size) for s in seq_lens]
+    max_blocks = max(need + [1]) + 2  # unused trailing entries stay 0
+    num_blocks = sum(need) + extra_blocks
+    pool = list(range(num_blocks))
+    gen.shuffle(pool)
+    table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    for b, n in enumerate(need):
+        for j in range(n):
+            if b > 0 and j < share_blocks and j < need[0]:
+                table[b, j] = table[0, j]
+            else:
+                table[b, j] = pool.pop()
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(q_lens).cumsum(0)
+    return (qsl.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+            table.to(DEVICE), num_blocks)
+
+
+def random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k = torch.randn(shape, generator=g).to(dtype).to(DEVICE)
+    v = torch.randn(shape, generator=g).to(dtype).to(DEVICE)
+    return k, v
+
+
+def random_q(num_tokens, num_q_heads, head_dim, dtype, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(num_tokens, num_q_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+
+
+def check(out, ref, dtype, rows=None):
+    atol, rtol = TOL[dtype]
+    assert not torch.isnan(out).any(), "NaN in kernel output"
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+
+
+def make_meta(qsl, seq_lens, block_tables, slot_mapping):
+    q_lens = (qsl[1:] - qsl[:-1]).tolist()
+    return AttentionMetadata(
+        query_start_loc=qsl, seq_lens=seq_lens, block_tables=block_tables,
+        slot_mapping=slot_mapping, max_query_len=max(q_lens), max_seq_len=int(seq_lens.max()),
+        query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
+
+
+# ----------------------------------------------------------------------------------------
+# KV store
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_store_kvcache(dtype, block_size):
+    num_tokens, num_kv_heads, head_dim, num_blocks = 13, 2, 64, 6
+    g = torch.Generator().manual_seed(0)
+    # key/value as views into a fused qkv projection: row stride != Hkv * D.
+    qkv = torch.randn(num_tokens, 4 + 2 * num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    key, value = qkv[:, 4:4 + num_kv_heads], qkv[:, 4 + num_kv_heads:]
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[[2, 7, 8]] = -1  # padding / already cached: must not be written
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    kv_store.store_kvcache(key, value, k_cache, v_cache, slots.to(DEVICE))
+
+    ref_k = torch.zeros_like(k_cache).view(-1, num_kv_heads, head_dim)
+    ref_v = torch.zeros_like(v_cache).view(-1, num_kv_heads, head_dim)
+    keep = slots >= 0
+    ref_k[slots[keep]] = key[keep.to(DEVICE)]
+    ref_v[slots[keep]] = value[keep.to(DEVICE)]
+    assert torch.equal(k_cache.view_as(ref_k), ref_k)
+    assert torch.equal(v_cache.view_as(ref_v), ref_v)
+
+
+# ----------------------------------------------------------------------------------------
+# Mixed kernel (prefill chunks over cached prefixes + decode rows)
+# ----------------------------------------------------------------------------------------
+MIXED_CASES = {
+    # name: (q_lens, seq_lens, share_blocks)
+    "ragged_prefill": ([5, 33, 1, 70], [5, 33, 1, 70], 0),
+    "chunks_with_prefix": ([17, 40, 3], [50, 130, 67], 0),
+    "decode_and_chunks": ([1, 20, 1, 1, 9], [37, 60, 100, 1, 9], 0),
+    "shared_prefix": ([7, 30, 1], [71, 94, 70], 4),
+}
+
+
+# Interpreter time is scarce: each head layout runs with one dtype (both dtypes and all
+# GQA ratios are still covered, and every case meets every layout).
+LAYOUTS = {  # name: (num_q_heads, num_kv_heads, head_dim, block_size, dtype)
+    "gqa1-d64-fp32": (2, 2, 64, 16, torch.float32),
+    "gqa2-d128-fp16": (4, 2, 128, 8, torch.float16),
+    "gqa4-d64-fp32": (8, 2, 64, 32, torch.float32),
+    "gqa8-d128-fp16": (8, 1, 128, 16, torch.float16),
+}
+
+
+@pytest.mark.parametrize("case", list(MIXED_CASES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_mixed(case, layout):
+    q_lens, seq_lens, share = MIXED_CASES[case]
+    num_q_heads, num_kv_heads, head_dim, block_size, dtype = LAYOUTS[layout]
+    qsl, lens, table, num_blocks = make_batch(q_lens, seq_lens, block_size, share)
+    k_cache, v_cache = random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    q = random_q(sum(q_lens), num_q_heads, head_dim, dtype)
+    scale = head_dim ** -0.5
+    out = paged_attention.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, scale)
+    check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, scale), dtype)
+
+
+@pytest.mark.parametrize("gqa", [3, 4])
+def test_mixed_small_tiles(gqa):
+    """Tiny tiles: many query tiles per sequence, keys split between the unmasked loop and
+    the diagonal loop, BLOCK_N smaller than a page; a non-power-of-two GQA group (padded).
+    Also first_seq: only the later sequences computed, earlier rows left untouched."""
+    q_lens, seq_lens = [9, 1, 26, 4], [40, 23, 26, 77]
+    block_size, num_kv_heads, head_dim, dtype = 32, 2, 64, torch.float32
+    qsl, lens, table, num_blocks = make_batch(q_lens, seq_lens, block_size, share_blocks=1)
+    k_cache, v_cache = random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    q = random_q(sum(q_lens), gqa * num_kv_heads, head_dim, dtype)
+    gqa_pad = triton.next_power_of_2(gqa)
+    config = dict(BLOCK_Q=16 // gqa_pad, BLOCK_N=16, num_warps=4, num_stages=2)
+    ref = reference_attention(q, k_cache, v_cache, qsl, lens, table, 0.3)
+    out = paged_attention.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, 0.3, config=config)
+    check(out, ref, dtype)
+    out = torch.zeros_like(q)
+    paged_attention.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, 0.3, out=out,
+                                          config=config, first_seq=2, first_token=10)
+    assert torch.equal(out[:10], torch.zeros_like(out[:10]))
+    check(out[10:], ref[10:], dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# Split-KV decode
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_decode(num_splits, layout):
+    num_q_heads, num_kv_heads, head_dim, block_size, dtype = LAYOUTS[layout]
+    # Ragged, including a long context (many tiles per split) and contexts shorter than
+    # the split count (empty splits), over a shared prefix and shuffled pages.
+    seq_lens = [1, 300, 17, 129]
+    qsl, lens, table, num_blocks = make_batch([1] * len(seq_lens), seq_lens, block_size, share_blocks=1)
+    k_cache, v_cache = random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    q = random_q(len(seq_lens), num_q_heads, head_dim, dtype)
+    scale = head_dim ** -0.5
+    out = paged_attention.paged_attention_decode(q, k_cache, v_cache, lens, table, scale, num_splits)
+    check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, scale), dtype)
+
+
+def test_decode_gqa3_and_padded_rows():
+    """A GQA group of 3 (padded inside the tile) and a padded row (seq_len 0 -> zeros)."""
+    seq_lens = [90, 0, 33]
+    qsl, lens, table, num_blocks = make_batch([1, 1, 1], seq_lens, 16)
+    k_cache, v_cache = random_cache(num_blocks, 16, 2, 64, torch.float32)
+    q = random_q(3, 6, 64, torch.float32)
+    for num_splits in (1, 4):
+        out = paged_attention.paged_attention_decode(q, k_cache, v_cache, lens, table, 0.125, num_splits)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, 0.125), torch.float32)
+
+
+def test_decode_num_splits():
+    # Big batches need no split; small batches with long contexts split up to the cap;
+    # short contexts are not over-split.
+    assert paged_attention.decode_num_splits(256, 8, 4096, 132) == 1
+    assert paged_attention.decode_num_splits(1, 8, 4096, 132) == paged_attention.DECODE_MAX_SPLITS
+    assert paged_attention.decode_num_splits(1, 8, 100, 132) == 1
+    assert 1 < paged_attention.decode_num_splits(8, 8, 4096, 132) < paged_attention.DECODE_MAX_SPLITS
+
+
+def test_bad_head_dim_is_rejected():
+    qsl, lens, table, num_blocks = make_batch([1], [5], 16)
+    k_cache, v_cache = random_cache(num_blocks, 16, 1, 96, torch.float32)
+    q = random_q(1, 1, 96, torch.float32)
+    with pytest.raises(AssertionError, match="power of two"):
+        paged_attention.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, 0.1)
+
+
+# ----------------------------------------------------------------------------------------
+# Backend: store then attend through AttentionMetadata
+# ----------------------------------------------------------------------------------------
+def run_backend_step(backend, q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size,
+                     dtype, share_blocks=0, max_seq_len=None):
+    """Fill the cache for each sequence's cached prefix, then store the new tokens' K/V
+    through the backend (slot_mapping with -1 for rows that must not be written) and attend."""
+    qsl, lens, table, num_blocks = make_batch(q_lens, seq_lens, block_size, share_blocks)
+    k_cache, v_cache = random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    num_tokens = sum(q_lens)
+    new_k = random_q(num_tokens, num_kv_heads, head_dim, dtype, seed=3)
+    new_v = random_q(num_tokens, num_kv_heads, head_dim, dtype, seed=4)
+    slots, table_cpu = [], table.cpu()
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        for pos in range(seq_len - q_len, seq_len):
+            slots.append(int(table_cpu[b, pos // block_size]) * block_size + pos % block_size)
+    # The first new token of sequence 0 is marked "already cached" (-1): the kernel must
+    # skip it, so the reference sees the cache's old value there. Test batches may put new
+    # tokens of two sequences into one shared block; only the first write of a slot is kept
+    # (the engine never writes shared blocks, and two writes to one slot have no order).
+    slots[0] = -1
+    seen = set()
+    for i, slot in enumerate(slots):
+        if slot in seen:
+            slots[i] = -1
+        seen.add(slot)
+    slots = torch.tensor(slots, dtype=torch.int64)
+    keep = (slots >= 0).to(DEVICE)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    expected_k.view(-1, num_kv_heads, head_dim)[slots[slots >= 0]] = new_k[keep]
+    expected_v.view(-1, num_kv_heads, head_dim)[slots[slots >= 0]] = new_v[keep]
+    meta = make_meta(qsl, lens, table, slots.to(DEVICE))
+    if max_seq_len is not None:
+        meta.max_seq_len = max_seq_len
+    q = random_q(num_tokens, num_q_heads, head_dim, dtype)
+    backend.store_kv(new_k, new_v, k_cache, v_cache, meta)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    scale = head_dim ** -0.5
+    out = backend.attend(q, k_cache, v_cache, meta, scale)
+    return out, reference_attention(q, expected_k, expected_v, qsl, lens, table, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_backend_decode_and_mixed(dtype):
+    backend = triton_backend.TritonAttentionBackend()
+    # Decode-only step (split-KV path; the CPU stand-in has 4 "SMs", so this splits).
+    out, ref = run_backend_step(backend, [1] * 4, [200, 5, 64, 33], 4, 2, 64, 16, dtype)
+    check(out, ref, dtype)
+    # Mixed step: leading decodes (-> decode kernel), a chunk over a cached prefix, a
+    # one-token sequence after it (-> mixed kernel), a fresh prompt.
+    out, ref = run_backend_step(backend, [1, 1, 24, 1, 10], [50, 120, 80, 7, 10], 4, 2, 64, 16, dtype,
+                                share_blocks=2)
+    check(out, ref, dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# GPU: realistic shapes, compiled kernels (pytest -m gpu)
+# ----------------------------------------------------------------------------------------
+GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_decode_realistic(dtype):
+    """64 sequences, contexts up to 4k, Qwen3-like heads (16 q / 8 kv, D 128)."""
+    gen = random.Random(5)
+    seq_lens = [gen.randint(1, 4096) for _ in range(64)]
+    backend = triton_backend.TritonAttentionBackend(16, 8, 128, max_num_seqs=64)
+    out, ref = run_backend_step(backend, [1] * 64, seq_lens, 16, 8, 128, 16, dtype, share_blocks=8)
+    check(out, ref, dtype)
+    # Same step as a CUDA graph would see it: max_seq_len = max_model_len, more splits.
+    out, ref = run_backend_step(backend, [1] * 64, seq_lens, 16, 8, 128, 16, dtype, max_seq_len=8192)
+    check(out, ref, dtype)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("gqa", [1, 2, 4, 8])
+def test_gpu_decode_small_batch_many_splits(dtype, gqa):
+    seq_lens = [4000, 1, 1023, 2500]
+    backend = triton_backend.TritonAttentionBackend()
+    out, ref = run_backend_step(backend, [1] * 4, seq_lens, 8 * gqa // 2, 4, 128, 16, dtype)
+    check(out, ref, dtype)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("head_dim,block_size", [(128, 16), (64, 32), (256, 16)])
+def test_gpu_mixed_realistic(dtype, head_dim, block_size):
+    """Chunked prefill beside 48 decodes (first, as the scheduler orders them: they take the
+    decode kernel): a 2k chunk over a 1.5k cached prefix, fresh prompts, decode contexts up
+    to 4k, sharing a prefix."""
+    gen = random.Random(6)
+    q_lens = [1] * 48 + [2048, 300, 77]
+    seq_lens = [gen.randint(1, 4096) for _ in range(48)] + [3548, 300, 1077]
+    out, ref = run_backend_step(triton_backend.TritonAttentionBackend(), q_lens, seq_lens, 16, 8,
+                                head_dim, block_size, dtype, share_blocks=2)
+    check(out, ref, dtype)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_mixed_prefill_first():
+    """Prompt chunks before the decodes: everything goes through the mixed kernel."""
+    gen = random.Random(7)
+    q_lens = [2048, 300, 77] + [1] * 48
+    seq_lens = [3548, 300, 1077] + [gen.randint(1, 4096) for _ in range(48)]
+    out, ref = run_backend_step(triton_backend.TritonAttentionBackend(), q_lens, seq_lens, 16, 8,
+                                128, 16, torch.bfloat16, share_blocks=2)
+    check(out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_decode_cuda_graph():
+    """Capture a decode step once, replay it with other lengths: same as eager."""
+    num_seqs, hq, hkv, d, bs = 32, 16, 8, 128, 16
+    dtype = torch.bfloat16
+    max_model_len = 4096
+    qsl, lens, table, num_blocks = make_batch([1] * num_seqs, [max_model_len] * num_seqs, bs)
+    k_cache, v_cache = random_cache(num_blocks, bs, hkv, d, dtype)
+    q = random_q(num_seqs, hq, d, dtype)
+    backend = triton_backend.TritonAttentionBackend(hq, hkv, d, max_num_seqs=num_seqs)
+    meta = make_meta(qsl, lens, table, torch.full((num_seqs,), -1, dtype=torch.int64, device=DEVICE))
+    meta.max_seq_len = max_model_len
+    backend.attend(q, k_cache, v_cache, meta, 0.1)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.attend(q, k_cache, v_cache, meta, 0.1)
+    for trial in range(3):
+        gen = random.Random(trial)
+        lens.copy_(torch.tensor([gen.randint(0, max_model_len) for _ in range(num_seqs)]))
+        q.copy_(random_q(num_seqs, hq, d, dtype, seed=trial))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, 0.1), dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# Fallback when triton was imported (compiled mode, CPU) before this module could set
+# TRITON_INTERPRET: rerun this file in a fresh process where it is set from the start.
+# ----------------------------------------------------------------------------------------
+@pytest.mark.skipif(not RERUN_IN_SUBPROCESS, reason="kernels already run under the interpreter here")
+def test_kernels_in_fresh_interpreter_process():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-m", "not gpu"],
+        env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
