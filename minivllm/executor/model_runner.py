@@ -85,6 +85,9 @@ class ModelRunner:
         self._allocate_kv_cache(self.num_blocks)
         self.last_sampled = torch.empty(0, dtype=torch.int64, device=self.device)
         self.last_sampled_rows: dict[int, int] = {}
+        self._sampled_host = [torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+                              for _ in range(2)]
+        self._token_buffer = 0
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and config.attention_backend == "triton":
             self.decode_graphs = DecodeGraphs(self.model, self.buffers, config.max_num_seqs, config.max_model_len)
@@ -135,7 +138,8 @@ class ModelRunner:
         config = self.config
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        num_tokens = config.max_num_batched_tokens
+        # No step holds more than max_num_seqs sequences of at most max_model_len tokens.
+        num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
         seq_len = min(config.max_model_len, num_tokens)
         num_seqs = -(-num_tokens // seq_len)
         blocks_per_seq = -(-seq_len // self.block_size)
@@ -201,18 +205,17 @@ class ModelRunner:
         row_of_token = np.repeat(np.arange(num_seqs), num_new)
         positions = computed[row_of_token] + np.arange(num_tokens) - query_start_loc[row_of_token]
         buf["positions"][:num_tokens] = positions
-        input_ids = buf["input_ids"]
-        pending_dst, pending_src = [], []
-        for i, (seq, start, end) in enumerate(zip(batch.seqs, computed.tolist(), seq_lens.tolist())):
-            offset = int(query_start_loc[i])
+        input_ids, block_tables = buf["input_ids"], buf["block_tables"]
+        block_tables[:num_seqs] = 0  # no stale block ids from an earlier step
+        num_pending = 0
+        for i, (seq, start, end, offset) in enumerate(
+                zip(batch.seqs, computed.tolist(), seq_lens.tolist(), query_start_loc.tolist())):
             known_end = min(end, len(seq.token_ids))
             input_ids[offset:offset + known_end - start] = seq.token_ids[start:known_end]
             if known_end < end:  # the last input is the pending token of the step in flight
-                pending_dst.append(offset + end - start - 1)
-                pending_src.append(self.last_sampled_rows[seq.seq_id])
-        block_tables = buf["block_tables"]
-        block_tables[:num_seqs] = 0  # no stale block ids from an earlier step
-        for i, seq in enumerate(batch.seqs):
+                buf["pending_dst"][num_pending] = offset + end - start - 1
+                buf["pending_src"][num_pending] = self.last_sampled_rows[seq.seq_id]
+                num_pending += 1
             block_tables[i, :len(seq.block_table)] = seq.block_table
         buf["slot_mapping"][:num_tokens] = (
             block_tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs)
@@ -246,11 +249,10 @@ class ModelRunner:
             logits_indices=upload("logits_indices", len(logits_indices)),
             sampled_seqs=[seq for seq, s in zip(batch.seqs, batch.samples) if s],
         )
-        self.buffers.uploads_queued()
-        if pending_dst:
-            dst = torch.tensor(pending_dst, dtype=torch.int64).to(self.device, non_blocking=True)
-            src = torch.tensor(pending_src, dtype=torch.int64).to(self.device, non_blocking=True)
+        if num_pending:
+            dst, src = upload("pending_dst", num_pending), upload("pending_src", num_pending)
             inputs.input_ids[dst] = self.last_sampled[src]
+        self.buffers.uploads_queued()
         return inputs
 
     @torch.inference_mode()
@@ -267,16 +269,18 @@ class ModelRunner:
         if not inputs.sampled_seqs:
             return StepHandle([], None, None, None)
         logits = self.model.compute_logits(hidden)
-        rows = [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator)
-                for seq in inputs.sampled_seqs]
+        rows = [_sampling_row(seq) for seq in inputs.sampled_seqs]
         out = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
         # The next step reads these on the device, for sequences whose token is still pending.
         self.last_sampled = out.sampled_token_ids
         self.last_sampled_rows = {seq.seq_id: row for row, seq in enumerate(inputs.sampled_seqs)}
-        to_host = [out.sampled_token_ids]
+        # Two pinned buffers in turn: a step's tokens are read after the next step is launched.
+        self._token_buffer = 1 - self._token_buffer
+        host = [self._sampled_host[self._token_buffer][:len(inputs.sampled_seqs)]]
+        host[0].copy_(out.sampled_token_ids, non_blocking=True)
         if out.logprobs is not None:
-            to_host += [out.logprob_token_ids, out.logprobs, out.sampled_token_ranks]
-        host = [tensor.to("cpu", non_blocking=True) for tensor in to_host]
+            host += [tensor.to("cpu", non_blocking=True)
+                     for tensor in (out.logprob_token_ids, out.logprobs, out.sampled_token_ranks)]
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
@@ -315,3 +319,11 @@ class ModelRunner:
                 entries.setdefault(token, (value, rank))
             result.append(entries)
         return result
+
+
+def _sampling_row(seq: Sequence) -> SamplingRow:
+    """Token history is only copied for the rows whose sampling reads it."""
+    params = seq.params
+    needs_history = params.has_penalties or params.min_tokens > 0
+    return SamplingRow(params, seq.prompt_token_ids if needs_history else (),
+                       seq.output_token_ids if needs_history else (), seq.generator)

@@ -1,0 +1,284 @@
+"""Triton kernels for the small per-token ops of a decoder layer: RMSNorm (optionally fused
+with the residual add before it), neox-style rotary embedding, and SiluAndMul.
+
+Each kernel reproduces the rounding of the torch code in minivllm/layers (norm.py,
+rotary.py, activation.py), so swapping one for the other changes no token:
+
+* RMSNorm: residual add in the model dtype; sum of squares, mean and reciprocal square
+  root in float32; the normalised row rounded to the model dtype, then multiplied by the
+  weight and rounded again (Hugging Face's order). Only the summation order differs
+  from torch, so float32 results agree to about an ulp.
+* Rotary: cos/sin rounded to the model dtype first, then x*cos and rotate_half(x)*sin
+  each rounded to the model dtype and added, as eager torch's three separate ops do.
+* SiluAndMul: silu(gate) rounded to the model dtype, then times up, rounded again.
+
+All are memory-bound: they read and write each element once and keep whole rows in
+registers. None synchronises with the host, so all can be captured in a CUDA graph
+(the first call for a new shape compiles, so warm up before capturing). Inputs must have
+their last dimension contiguous; row (and head) strides are free, so views such as the
+q/k slices of a packed qkv tensor need no copy. Activations and weights share one dtype
+(float32, float16 or bfloat16).
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+# Under Triton's interpreter (CPU tests) libdevice is unavailable; tl.exp is numpy's there.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ----------------------------------------------------------------------------------------
+# RMSNorm (+ residual add)
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr,
+    num_rows,
+    stride_xn, stride_xh,  # x viewed as [N, INNER, HIDDEN]: row r is (r // INNER, r % INNER)
+    stride_rn, stride_rh,  # the same for residual (unused without one)
+    eps,
+    INNER: tl.constexpr,  # 1 for [N, H] inputs, the number of heads for [N, heads, D]
+    HIDDEN: tl.constexpr,  # constexpr: a norm has one or two sizes, and masks then fold away
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per program (several when rows are short, e.g. per-head norms)
+    BLOCK_H: tl.constexpr,  # HIDDEN rounded up to a power of two
+):
+    dtype = x_ptr.dtype.element_ty
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: N * stride may pass 2**31
+    cols = tl.arange(0, BLOCK_H)
+    col_mask = cols < HIDDEN
+    mask = (rows < num_rows)[:, None] & col_mask[None, :]
+    n, h = rows // INNER, rows % INNER
+
+    x_offs = (n * stride_xn + h * stride_xh)[:, None] + cols[None, :]
+    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r_offs = (n * stride_rn + h * stride_rh)[:, None] + cols[None, :]
+        r = tl.load(residual_ptr + r_offs, mask=mask, other=0.0)
+        # torch's `x + residual`: exact in float32, one rounding to the model dtype.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(residual_ptr + r_offs, x, mask=mask)  # the new residual, in place
+
+    x32 = x.to(tl.float32)
+    # Correctly rounded division and square root, as torch's mean and (CPU) rsqrt; the
+    # approximate defaults would cost an ulp or two for nothing in a memory-bound kernel.
+    mean_sq = tl.math.div_rn(tl.sum(x32 * x32, axis=1), tl.full([BLOCK_M], HIDDEN, tl.float32))
+    rstd = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tl.sqrt_rn(mean_sq + eps))
+    normed = (x32 * rstd[:, None]).to(dtype)  # Hugging Face rounds before scaling by the weight
+    w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0)
+    out = (w.to(tl.float32)[None, :] * normed.to(tl.float32)).to(dtype)
+    tl.store(out_ptr + rows[:, None] * HIDDEN + cols[None, :], out, mask=mask)
+
+
+def _norm_launch_config(hidden: int, num_rows: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_H, num_warps): about 1K+ elements per program, 8+ per thread.
+
+    Rows shorter than 1024 are batched so that a program still moves a few KB (per-head
+    norms have head_dim 128); wide rows get more warps so each thread keeps few registers.
+    """
+    block_h = triton.next_power_of_2(hidden)
+    block_m = min(max(1, 1024 // block_h), triton.next_power_of_2(num_rows))
+    elems = block_m * block_h
+    num_warps = 4 if elems < 2048 else 8 if elems < 8192 else 16
+    return block_m, block_h, num_warps
+
+
+def _as_3d(t: torch.Tensor, name: str) -> tuple[int, int, int, int]:
+    """(N, inner, stride_n, stride_inner) of a [N, H] or [N, inner, H] tensor."""
+    assert t.dim() in (2, 3), f"{name} must be [N, H] or [N, heads, H], got {tuple(t.shape)}"
+    assert t.stride(-1) == 1 or t.shape[-1] == 1, f"{name}'s last dimension must be contiguous"
+    if t.dim() == 2:
+        return t.shape[0], 1, t.stride(0), 0
+    return t.shape[0], t.shape[1], t.stride(0), t.stride(1)
+
+
+def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+              ) -> torch.Tensor:
+    hidden = x.shape[-1]
+    assert weight.shape == (hidden,) and weight.is_contiguous(), (
+        f"weight must be a contiguous [{hidden}] tensor, got {tuple(weight.shape)}")
+    assert weight.dtype == x.dtype, f"weight dtype {weight.dtype} differs from input dtype {x.dtype}"
+    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"unsupported dtype {x.dtype}"
+    n, inner, sxn, sxh = _as_3d(x, "x")
+    srn = srh = 0
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype, (
+            f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}")
+        _, _, srn, srh = _as_3d(residual, "residual")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous whatever x's strides
+    num_rows = n * inner
+    if num_rows == 0:
+        return out
+    block_m, block_h, num_warps = _norm_launch_config(hidden, num_rows)
+    _rms_norm_kernel[(triton.cdiv(num_rows, block_m),)](
+        x, residual if residual is not None else x, weight, out,
+        num_rows, sxn, sxh, srn, srh, eps,
+        INNER=inner, HIDDEN=hidden, HAS_RESIDUAL=residual is not None,
+        BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps,
+    )
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension: `RMSNorm.forward(x)` of minivllm/layers/norm.py.
+
+    x: [N, H] or [N, heads, H] (per-head norms such as Qwen3's q/k norm), last dimension
+    contiguous, other strides free; weight: [H], x's dtype. Returns a new contiguous
+    tensor shaped like x; x is not modified.
+    """
+    return _rms_norm(x, None, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`RMSNorm.forward(x, residual)`: s = x + residual; return (rms_norm(s), s).
+
+    IN PLACE: s is written into `residual`, and the returned second element IS `residual`
+    (no new allocation for the residual stream). x is not modified; the normed output is a
+    new contiguous tensor. Shapes as rms_norm; residual has x's shape and dtype.
+    """
+    out = _rms_norm(x, residual, weight, eps)
+    return out, residual
+
+
+# ----------------------------------------------------------------------------------------
+# Rotary embedding (neox style: rotate_half pairs element d with d + D/2)
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _rotate_heads(
+    x_ptr, stride_h, cos1, cos2, sin1, sin2,
+    NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    """Rotate one token's [NUM_HEADS, 2 * HALF] slice in place; cos*/sin* are float32 [BLOCK_HALF]."""
+    dtype = x_ptr.dtype.element_ty
+    heads = tl.arange(0, BLOCK_HEADS)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < NUM_HEADS) & (d < HALF)
+    offs1 = heads * stride_h + d
+    x1 = tl.load(x_ptr + offs1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + offs1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    # torch: x * cos + cat([-x2, x1]) * sin, each product and the sum rounded to the model
+    # dtype (separate eager ops). A product of two bf16/fp16 values is exact in float32, so
+    # computing it there and rounding once gives torch's result bit for bit.
+    out1 = (x1 * cos1[None, :]).to(dtype).to(tl.float32) - (x2 * sin1[None, :]).to(dtype).to(tl.float32)
+    out2 = (x2 * cos2[None, :]).to(dtype).to(tl.float32) + (x1 * sin2[None, :]).to(dtype).to(tl.float32)
+    tl.store(x_ptr + offs1, out1.to(dtype), mask=mask)
+    tl.store(x_ptr + offs1 + HALF, out2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr, q_ptr, k_ptr, cos_sin_ptr,
+    stride_qn, stride_qh, stride_kn, stride_kh,
+    stride_cp, stride_cs,  # cos_sin [max_pos, 2, D]: position, cos/sin
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+):
+    # One program per token: the cos/sin row is loaded once and serves all q and k heads.
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + tok).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    dmask = d < HALF
+    row = cos_sin_ptr + pos * stride_cp
+    # Both halves are read (not assumed equal) so any [max_pos, 2, D] table works; cos/sin
+    # are rounded to the model dtype first, as `cos_sin.to(q.dtype)` does.
+    dtype = q_ptr.dtype.element_ty
+    cos1 = tl.load(row + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
+    cos2 = tl.load(row + HALF + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
+    sin1 = tl.load(row + stride_cs + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
+    sin2 = tl.load(row + stride_cs + HALF + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
+    _rotate_heads(q_ptr + tok * stride_qn, stride_qh, cos1, cos2, sin1, sin2,
+                  NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_ptr + tok * stride_kn, stride_kh, cos1, cos2, sin1, sin2,
+                  NUM_KV_HEADS, HALF, BLOCK_HKV, BLOCK_HALF)
+
+
+def _rope_num_warps(block_hq: int, head_dim: int) -> int:
+    # Qwen3-0.6B: 16 q heads x 128 = 2K elements per token -> 4 warps, 16 B per thread-load.
+    return 4 if block_hq * head_dim <= 4096 else 8
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style RoPE: `RotaryEmbedding.forward(positions, q, k)` of minivllm/layers/rotary.py.
+
+    positions: [N] int64 (int32 accepted), each < max_pos (not checked: that would sync);
+    q: [N, Hq, D], k: [N, Hkv, D], same dtype, last dimension contiguous (row and head
+    strides free, e.g. views into a packed qkv tensor); cos_sin: [max_pos, 2, D] float32.
+    IN PLACE: q and k are overwritten with the rotated values and returned.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    assert k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_dim, (
+        f"k {tuple(k.shape)} does not match q {tuple(q.shape)}")
+    assert head_dim % 2 == 0, f"head_dim must be even, got {head_dim}"
+    assert q.dtype == k.dtype and q.dtype in (torch.float32, torch.float16, torch.bfloat16), (
+        f"q and k must share a float dtype, got {q.dtype} and {k.dtype}")
+    assert q.stride(-1) == 1 and k.stride(-1) == 1, "q and k must have a contiguous last dimension"
+    assert positions.shape == (num_tokens,), f"positions {tuple(positions.shape)}, expected ({num_tokens},)"
+    assert cos_sin.dim() == 3 and cos_sin.shape[1:] == (2, head_dim) and cos_sin.stride(-1) == 1, (
+        f"cos_sin must be [max_pos, 2, {head_dim}] with a contiguous last dimension, got {tuple(cos_sin.shape)}")
+    assert cos_sin.dtype == torch.float32, f"cos_sin must be float32, got {cos_sin.dtype}"
+    if num_tokens == 0:
+        return q, k
+    num_kv_heads, half = k.shape[1], head_dim // 2
+    block_hq = triton.next_power_of_2(num_q_heads)
+    _rotary_kernel[(num_tokens,)](
+        positions, q, k, cos_sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0), cos_sin.stride(1),
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_HQ=block_hq, BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+        num_warps=_rope_num_warps(block_hq, head_dim),
+    )
+    return q, k
+
+
+# ----------------------------------------------------------------------------------------
+# SiluAndMul
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_xn, inter,
+    BLOCK: tl.constexpr,
+    ACCURATE_EXP: tl.constexpr,  # libdevice's expf (CUDA's, as torch uses) over tl.exp's ex2.approx
+):
+    # Grid (rows, column blocks): even one decode token spreads over several SMs.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * stride_xn + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_xn + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    # torch's silu: x / (1 + exp(-x)) in float32, rounded to the model dtype before `* up`.
+    if ACCURATE_EXP:
+        exp_neg = libdevice.exp(-gate)
+    else:
+        exp_neg = tl.exp(-gate)
+    silu = tl.math.div_rn(gate, 1.0 + exp_neg).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * inter + cols, (silu * up).to(dtype), mask=mask)
+
+
+def _silu_launch_config(inter: int) -> tuple[int, int]:
+    """(BLOCK, num_warps): 1024 columns at 4 warps = 8 bf16 per thread, one 16-byte load per
+    operand; I = 3072 then gives 3 programs per token, so even small batches fill the SMs."""
+    return min(1024, triton.next_power_of_2(inter)), 4
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[:, :I]) * x[:, I:] for x [N, 2I] (last dimension contiguous) -> new [N, I]."""
+    assert x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be [N, 2I], got {tuple(x.shape)}"
+    assert x.stride(1) == 1, "x's last dimension must be contiguous"
+    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"unsupported dtype {x.dtype}"
+    num_tokens, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
+    if num_tokens == 0 or inter == 0:
+        return out
+    block, num_warps = _silu_launch_config(inter)
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+        x, out, x.stride(0), inter, BLOCK=block, ACCURATE_EXP=not _INTERPRET, num_warps=num_warps)
+    return out
