@@ -43,6 +43,30 @@ def _backend(tokenizer: PreTrainedTokenizerBase | Tokenizer) -> Tokenizer:
     return backend
 
 
+def _prompt_context(tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool) -> list[int]:
+    """The end of the prompt, starting at a point that decodes cleanly (no partial character)."""
+    if len(prompt_token_ids) <= _PROMPT_CONTEXT_MIN:
+        return prompt_token_ids
+    for i in range(_PROMPT_CONTEXT_MIN, min(len(prompt_token_ids), _PROMPT_CONTEXT_MAX) + 1):
+        suffix = prompt_token_ids[-i:]
+        if REPLACEMENT_CHAR not in tokenizer.decode(suffix, skip_special_tokens=skip_special_tokens):
+            return suffix
+    return prompt_token_ids[-_PROMPT_CONTEXT_MAX:]
+
+
+def detokenize(tokenizer: PreTrainedTokenizerBase | Tokenizer, prompt_token_ids: list[int],
+               output_token_ids: list[int], skip_special_tokens: bool) -> str:
+    """All output text at once: what IncrementalDetokenizer gives at the end without stop
+    strings, in one call. For requests that neither stream nor look for stop strings."""
+    backend = _backend(tokenizer)
+    context = _prompt_context(backend, prompt_token_ids, skip_special_tokens)
+    prefix = backend.decode(context, skip_special_tokens=skip_special_tokens)
+    text = backend.decode(context + output_token_ids, skip_special_tokens=skip_special_tokens)
+    if not text.startswith(prefix):  # a merge across the boundary: decode the output alone
+        return backend.decode(output_token_ids, skip_special_tokens=skip_special_tokens)
+    return text[len(prefix):]
+
+
 class IncrementalDetokenizer:
     """Turns one sequence's generated token ids into text, step by step, and finds stop
     strings in it."""
@@ -66,22 +90,11 @@ class IncrementalDetokenizer:
         self._flushed = False
 
         self._stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
-        # Prime the stream with the end of the prompt, starting at a point that decodes
-        # cleanly (no partial character), so output text is what it would be in context.
-        context = prompt_token_ids
-        if len(prompt_token_ids) > _PROMPT_CONTEXT_MIN:
-            for i in range(_PROMPT_CONTEXT_MIN, min(len(prompt_token_ids), _PROMPT_CONTEXT_MAX) + 1):
-                suffix = prompt_token_ids[-i:]
-                if REPLACEMENT_CHAR not in self._tokenizer.decode(
-                        suffix, skip_special_tokens=self._skip_special_tokens):
-                    context = suffix
-                    break
-            else:
-                context = prompt_token_ids[-_PROMPT_CONTEXT_MAX:]
+        # Prime the stream with the end of the prompt, so output text is what it would be in context.
         # Output ids not yet turned into text (held back as an incomplete character); only
         # used to flush them at the end.
         self._pending: list[int] = []
-        for token_id in context:
+        for token_id in _prompt_context(self._tokenizer, prompt_token_ids, self._skip_special_tokens):
             self._step(token_id)
         self._pending.clear()
 

@@ -68,6 +68,10 @@ class KVCacheManager:
         cached_prefix (from find_cached_prefix) is only used when seq holds no blocks yet.
         """
         admitting = not seq.block_table
+        if not admitting and seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size:
+            # The common decode case: the token fits in the last block.
+            self._cache_full_blocks(seq, seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens)
+            return True
         cached_prefix = cached_prefix if admitting and cached_prefix else []
         num_computed = len(cached_prefix) * self.block_size if admitting else seq.num_computed_tokens
         blocks_needed = -(-(num_computed + num_new_tokens) // self.block_size)
@@ -113,6 +117,8 @@ class KVCacheManager:
             return
         bs = self.block_size
         first, last = max(start_token - 1, 0) // bs, min(end_token, len(seq.token_ids)) // bs
+        if first >= last:
+            return
         hashes = self._full_block_hashes(seq, last)
         for i in range(first, last):
             block_id, block_hash = seq.block_table[i], hashes[i]

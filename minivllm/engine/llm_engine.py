@@ -9,11 +9,11 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from minivllm.config import EngineConfig
-from minivllm.engine.detokenizer import IncrementalDetokenizer
+from minivllm.engine.detokenizer import IncrementalDetokenizer, detokenize
 from minivllm.engine.kv_cache_manager import KVCacheManager
 from minivllm.engine.scheduler import Scheduler
-from minivllm.engine.sequence import Sequence
-from minivllm.executor.model_runner import ModelRunner, SampledToken, StepHandle
+from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.executor.model_runner import ModelRunner, StepHandle
 from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -54,6 +54,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.requests: dict[str, Request] = {}
         self.in_flight: StepHandle | None = None  # the launched step not yet read back
+        # Requests whose sampling reads their latest tokens (penalties, min_tokens).
+        self._sync_request_ids: set[str] = set()
         self._request_counter = itertools.count()
         # Tokens processed, for the progress bar's live rates.
         self.num_prefill_tokens = 0
@@ -93,11 +95,16 @@ class LLMEngine:
                 # Each sample has its own stream, so a seeded request is batch-independent.
                 generator = torch.Generator(device=self.config.device).manual_seed(params.seed + index)
             seqs.append(Sequence(request_id, index, prompt_token_ids, params, generator))
+            # Text is needed step by step only to stream it or to find stop strings; other
+            # requests are detokenized once, at the end (off the per-step path).
+            incremental = self.tokenizer is not None and (stream or bool(params.stop))
             detokenizers.append(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
-                                if self.tokenizer is not None else None)
+                                if incremental else None)
         request = Request(request_id, prompt_text, prompt_token_ids, params, seqs, detokenizers,
                           RequestMetrics(arrival_time or time.time()), stream, [0] * params.n)
         self.requests[request_id] = request
+        if params.has_penalties or params.min_tokens > 0:
+            self._sync_request_ids.add(request_id)
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -137,6 +144,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
+        self._sync_request_ids.discard(request_id)
         if request is None:
             return
         for seq in request.seqs:
@@ -183,48 +191,49 @@ class LLMEngine:
     def _needs_known_tokens(self) -> bool:
         """Penalties and min_tokens read a sequence's latest tokens: wait for them."""
         return any(seq.params.has_penalties or 0 < seq.num_output_tokens <= seq.params.min_tokens
-                   for seq in self.scheduler.running)
+                   for request_id in self._sync_request_ids for seq in self.requests[request_id].seqs
+                   if seq.status is SequenceStatus.RUNNING)
 
     def _finish_step(self, handle: StepHandle) -> list[RequestOutput]:
         advanced: dict[str, Request] = {}
         now = time.time()
-        for sample in self.model_runner.collect(handle):
-            seq = sample.seq
-            if seq.is_finished:  # finished or aborted while this step ran: drop its token
+        seqs, token_ids, logprobs = self.model_runner.collect(handle)
+        for seq, token, token_logprobs in zip(seqs, token_ids, logprobs):
+            if seq.status is SequenceStatus.FINISHED:  # finished or aborted meanwhile: drop it
                 continue
-            seq.token_ids.append(sample.token_id)
+            seq.token_ids.append(token)
             seq.num_pending_tokens -= 1
             request = self.requests[seq.request_id]
-            request.metrics.first_token_time = request.metrics.first_token_time or now
-            self._process_token(request, sample)
-            advanced[request.request_id] = request
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            if token_logprobs is not None:
+                seq.logprobs.append(token_logprobs)
+                seq.cumulative_logprob += token_logprobs[token][0]
+            # Offline requests only need their final output; streams get every delta.
+            if self._check_stop(request, seq, token) or request.stream:
+                advanced[request.request_id] = request
         outputs = []
         for request in advanced.values():
-            finished = request.finished
-            if finished:
+            if request.finished:
                 request.metrics.finished_time = now
                 del self.requests[request.request_id]
-            # Offline requests only need their final output; streams get every delta.
-            if finished or request.stream:
-                outputs.append(self._make_output(request))
+                self._sync_request_ids.discard(request.request_id)
+            elif not request.stream:
+                continue
+            outputs.append(self._make_output(request))
         return outputs
 
-    def _process_token(self, request: Request, sample: SampledToken) -> None:
-        """Record a newly known token and check whether its sequence is done."""
-        seq, token, params = sample.seq, sample.token_id, request.params
-        if sample.logprobs is not None:
-            seq.logprobs.append(sample.logprobs)
-            seq.cumulative_logprob += sample.logprobs[token][0]
+    def _check_stop(self, request: Request, seq: Sequence, token: int) -> bool:
+        """Finish seq if its newly known token ends it (stop token, length, stop string)."""
+        params = seq.params
         num_known = len(seq.token_ids)
         num_outputs = num_known - seq.num_prompt_tokens
         finish_reason, stop_reason = None, None
-        if num_outputs >= params.min_tokens:
-            if token in params.stop_token_ids:
-                finish_reason, stop_reason = "stop", token
-            elif not params.ignore_eos and token in self.eos_token_ids:
-                finish_reason = "stop"
-        if finish_reason is None and (num_known >= self.config.max_model_len or
-                                      (params.max_tokens is not None and num_outputs >= params.max_tokens)):
+        if token in params.all_stop_token_ids and num_outputs >= params.min_tokens:
+            finish_reason = "stop"
+            stop_reason = token if token in params.stop_token_ids else None  # None: EOS
+        elif num_known >= self.config.max_model_len or (
+                params.max_tokens is not None and num_outputs >= params.max_tokens):
             finish_reason = "length"
         detokenizer = request.detokenizers[seq.index]
         if detokenizer is not None:
@@ -232,8 +241,10 @@ class LLMEngine:
             stop_string = detokenizer.update([token], stop_terminated=finish_reason == "stop")
             if stop_string is not None:
                 finish_reason, stop_reason = "stop", stop_string
-        if finish_reason is not None:
-            self.scheduler.finish(seq, finish_reason, stop_reason)
+        if finish_reason is None:
+            return False
+        self.scheduler.finish(seq, finish_reason, stop_reason)
+        return True
 
     def _make_output(self, request: Request) -> RequestOutput:
         completions = []
@@ -242,7 +253,10 @@ class LLMEngine:
             start = request.num_sent_tokens[seq.index] if request.stream else 0
             if request.stream:
                 request.num_sent_tokens[seq.index] = seq.num_output_tokens
-            text = detokenizer.get_next_output_text(seq.is_finished, request.stream) if detokenizer else ""
+            if detokenizer is not None:
+                text = detokenizer.get_next_output_text(seq.is_finished, request.stream)
+            else:
+                text = self._final_text(seq)
             logprobs = None
             if request.params.logprobs is not None:
                 logprobs = [{token: Logprob(value, rank, self._decode_token(token))
@@ -253,6 +267,15 @@ class LLMEngine:
                 logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              request.finished, request.metrics)
+
+    def _final_text(self, seq: Sequence) -> str:
+        if self.tokenizer is None:
+            return ""
+        output_ids = seq.output_token_ids
+        stopped_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+        if stopped_by_token and not seq.params.include_stop_str_in_output:
+            output_ids = output_ids[:-1]  # as in vLLM, the stop token's text is left out
+        return detokenize(self.tokenizer, seq.prompt_token_ids, output_ids, seq.params.skip_special_tokens)
 
     def _decode_token(self, token: int) -> str | None:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None

@@ -60,13 +60,14 @@ class Scheduler:
         preempted = False
         # 1. Running sequences: decodes and continuing prompt chunks, oldest first.
         i = 0
+        allocate = self.kv_cache_manager.allocate
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if seq.reached_length_limit(self.max_model_len):
                 i += 1  # finishes once its pending token is read back
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv_cache_manager.allocate(seq, num_new):
+            while not allocate(seq, num_new):
                 preempted = True
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -96,9 +97,10 @@ class Scheduler:
     @staticmethod
     def _schedule(batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
         """Add seq to the batch and count the step's work as done (the runner runs it)."""
-        samples = seq.num_computed_tokens + num_new == seq.num_tokens
+        num_computed = seq.num_computed_tokens
+        samples = num_computed + num_new == seq.num_tokens
         batch.add(seq, num_new, samples)
-        seq.num_computed_tokens += num_new
+        seq.num_computed_tokens = num_computed + num_new
         if samples:
             seq.num_pending_tokens += 1  # its value comes back after the step runs
 

@@ -66,8 +66,10 @@ class Sequence:
 
     def reached_length_limit(self, max_model_len: int) -> bool:
         """No more tokens may follow (pending ones counted): max_tokens or the context is full."""
+        num_tokens = len(self.token_ids) + self.num_pending_tokens
         max_tokens = self.params.max_tokens
-        return self.num_tokens >= max_model_len or (max_tokens is not None and self.num_output_tokens >= max_tokens)
+        return num_tokens >= max_model_len or (
+            max_tokens is not None and num_tokens - self.num_prompt_tokens >= max_tokens)
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, tokens={self.num_tokens}, "

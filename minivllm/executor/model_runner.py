@@ -1,6 +1,7 @@
 """ModelRunner: owns the model and its KV cache; turns a scheduled batch into tensors,
 runs the forward pass and samples the next tokens."""
 
+import itertools
 import logging
 import os
 import time
@@ -27,12 +28,8 @@ logger = logging.getLogger(__name__)
 _CPU_KV_CACHE_FRACTION = 0.25
 
 
-@dataclass
-class SampledToken:
-    seq: Sequence
-    token_id: int
-    # Token id -> (logprob, rank) for the sampled token and the top-k; None unless asked for.
-    logprobs: dict[int, tuple[float, int]] | None
+# Token id -> (logprob, rank) for the sampled token and the top-k at one position.
+TokenLogprobs = dict[int, tuple[float, int]]
 
 
 @dataclass
@@ -63,6 +60,8 @@ class ModelRunner:
         self.block_size = config.block_size
         hf_config = config.hf_config
         torch.manual_seed(config.seed)
+        # What this process held before this engine (another engine, say): not ours to count.
+        self._memory_baseline = torch.cuda.memory_allocated() if self.device.type == "cuda" else 0
         start = time.perf_counter()
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -156,14 +155,16 @@ class ModelRunner:
         logits = self.model.compute_logits(rows)
         torch.softmax(logits.float(), dim=-1).sort(dim=-1)
         torch.cuda.synchronize()
-        # The throwaway cache is not part of the step's working set.
-        peak = torch.cuda.max_memory_allocated() - self.kv_cache.numel() * self.kv_cache.element_size()
+        # Weights and the step's working set; the throwaway cache is not part of it.
+        peak = (torch.cuda.max_memory_allocated() - self._memory_baseline
+                - self.kv_cache.numel() * self.kv_cache.element_size())
         del hidden, logits, inputs
         self._free_kv_cache()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        used_by_others = total - free - torch.cuda.memory_allocated()
-        budget = int(total * config.gpu_memory_utilization) - peak - used_by_others
+        # As vLLM: this engine may use gpu_memory_utilization of the device in all; and no
+        # more than is actually free.
+        budget = min(int(total * config.gpu_memory_utilization) - peak, free - (total - free) // 100)
         logger.info("Profiled peak %.2f GiB; %.2f GiB left for the KV cache", peak / 2**30, budget / 2**30)
         return max(budget, 0)
 
@@ -205,18 +206,27 @@ class ModelRunner:
         row_of_token = np.repeat(np.arange(num_seqs), num_new)
         positions = computed[row_of_token] + np.arange(num_tokens) - query_start_loc[row_of_token]
         buf["positions"][:num_tokens] = positions
-        input_ids, block_tables = buf["input_ids"], buf["block_tables"]
-        block_tables[:num_seqs] = 0  # no stale block ids from an earlier step
-        num_pending = 0
-        for i, (seq, start, end, offset) in enumerate(
-                zip(batch.seqs, computed.tolist(), seq_lens.tolist(), query_start_loc.tolist())):
+        token_ids: list[int] = []
+        pending_dst, pending_src = [], []
+        for seq, start, end in zip(batch.seqs, computed.tolist(), seq_lens.tolist()):
             known_end = min(end, len(seq.token_ids))
-            input_ids[offset:offset + known_end - start] = seq.token_ids[start:known_end]
+            token_ids += seq.token_ids[start:known_end]
             if known_end < end:  # the last input is the pending token of the step in flight
-                buf["pending_dst"][num_pending] = offset + end - start - 1
-                buf["pending_src"][num_pending] = self.last_sampled_rows[seq.seq_id]
-                num_pending += 1
-            block_tables[i, :len(seq.block_table)] = seq.block_table
+                pending_dst.append(len(token_ids))
+                pending_src.append(self.last_sampled_rows[seq.seq_id])
+                token_ids.append(0)
+        buf["input_ids"][:num_tokens] = token_ids
+        num_pending = len(pending_dst)
+        buf["pending_dst"][:num_pending] = pending_dst
+        buf["pending_src"][:num_pending] = pending_src
+        # Block tables: one flat copy, scattered into the rows through a mask.
+        tables = [seq.block_table for seq in batch.seqs]
+        table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
+        block_tables = buf["block_tables"]
+        block_tables[:num_seqs] = 0  # no stale block ids from an earlier step
+        width = int(table_lens.max())
+        block_tables[:num_seqs, :width][np.arange(width) < table_lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(tables), dtype=np.int32, count=int(table_lens.sum()))
         buf["slot_mapping"][:num_tokens] = (
             block_tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs)
         buf["seq_lens"][:num_seqs] = seq_lens
@@ -287,28 +297,24 @@ class ModelRunner:
             done.record()
         return StepHandle(inputs.sampled_seqs, host, out.logprobs is not None, done)
 
-    def collect(self, handle: StepHandle) -> list[SampledToken]:
-        """Wait for a launched step and return its sampled tokens."""
+    def collect(self, handle: StepHandle) -> tuple[list[Sequence], list[int], list[TokenLogprobs | None]]:
+        """Wait for a launched step: its sampled sequences, their tokens and logprobs."""
         if not handle.sampled_seqs:
-            return []
+            return [], [], []
         if handle.done is not None:
             handle.done.synchronize()
         token_ids = handle.host[0].tolist()
-        logprobs: list[dict[int, tuple[float, int]] | None] = [None] * len(token_ids)
+        logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
         if handle.has_logprobs:
             ids, values, ranks = (tensor.tolist() for tensor in handle.host[1:])
             logprobs = self._logprob_dicts(handle.sampled_seqs, ids, values, ranks)
-        return [SampledToken(seq, token, lp) for seq, token, lp in zip(handle.sampled_seqs, token_ids, logprobs)]
-
-    def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
-        """Run one step to completion (launch + collect)."""
-        return self.collect(self.launch(batch))
+        return handle.sampled_seqs, token_ids, logprobs
 
     @staticmethod
     def _logprob_dicts(seqs: list[Sequence], ids: list[list[int]], values: list[list[float]],
-                       sampled_ranks: list[int]) -> list[dict[int, tuple[float, int]] | None]:
+                       sampled_ranks: list[int]) -> list[TokenLogprobs | None]:
         """Per sequence: the sampled token and its requested top-k, as id -> (logprob, rank)."""
-        result: list[dict[int, tuple[float, int]] | None] = []
+        result: list[TokenLogprobs | None] = []
         for seq, row_ids, row_values, sampled_rank in zip(seqs, ids, values, sampled_ranks):
             k = seq.params.logprobs
             if k is None:

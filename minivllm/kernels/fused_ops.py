@@ -9,7 +9,8 @@ rotary.py, activation.py), so swapping one for the other changes no token:
   weight and rounded again (Hugging Face's order). Only the summation order differs
   from torch, so float32 results agree to about an ulp.
 * Rotary: cos/sin rounded to the model dtype first, then x*cos and rotate_half(x)*sin
-  each rounded to the model dtype and added, as eager torch's three separate ops do.
+  each rounded to the model dtype and added, as eager torch's three separate ops do:
+  bit-identical in every dtype (FMA contraction is disabled for it).
 * SiluAndMul: silu(gate) rounded to the model dtype, then times up, rounded again.
 
 All are memory-bound: they read and write each element once and keep whole rows in
@@ -119,6 +120,7 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
         num_rows, sxn, sxh, srn, srh, eps,
         INNER=inner, HIDDEN=hidden, HAS_RESIDUAL=residual is not None,
         BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps,
+        enable_fp_fusion=False,  # torch rounds x*x before summing; an FMA would not
     )
     return out
 
@@ -234,6 +236,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=block_hq, BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         num_warps=_rope_num_warps(block_hq, head_dim),
+        enable_fp_fusion=False,  # keeps float32 x*cos + y*sin as torch's two rounded products
     )
     return q, k
 

@@ -1,0 +1,80 @@
+"""Where a decode step's time goes: host time, GPU kernel time, and the top kernels.
+
+Fills the engine with --batch requests (random prompts of --context tokens), lets them
+reach steady decoding, then times --steps engine steps: wall time per step, host time
+per step (engine.step minus the wait for the device), and the CUDA kernel time per step
+from torch.profiler.
+
+    python benchmarks/step_profile.py --model qwen3-0.6b --batch 256 --context 1000
+"""
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks.common import add_common_args, make_llm, random_prompt, resolve_model, synchronize  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--temperature", type=float, default=0.6)
+    args = parser.parse_args()
+    from minivllm import SamplingParams
+
+    spec = resolve_model(args.model)
+    llm, _ = make_llm(args, spec, max_num_seqs=max(args.batch, 1))
+    engine = llm.llm_engine
+    rng = random.Random(0)
+    params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=10 * args.steps + 100)
+    for i in range(args.batch):
+        engine.add_request(f"p{i}", {"prompt_token_ids": random_prompt(rng, args.context, spec.vocab_size)}, params)
+    while engine.scheduler.waiting or any(s.num_output_tokens < 2 for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    runner = engine.model_runner
+    waited = 0.0
+    collect = runner.collect
+
+    def timed_collect(handle):  # noqa: ANN001, ANN202
+        nonlocal waited
+        start = time.perf_counter()
+        if handle.done is not None:
+            handle.done.synchronize()
+        waited += time.perf_counter() - start
+        return collect(handle)
+
+    runner.collect = timed_collect
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    synchronize()
+    wall = (time.perf_counter() - start) / args.steps
+    host = wall - waited / args.steps
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+        synchronize()
+    events = prof.key_averages()
+    gpu_us = sum(e.device_time_total for e in events) / args.steps
+    print(f"== step profile: batch {args.batch}, context ~{args.context}")
+    print(f"wall per step {wall * 1e3:.3f} ms | host per step (not waiting) {host * 1e3:.3f} ms | "
+          f"GPU kernels per step {gpu_us / 1e3:.3f} ms")
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=12, max_name_column_width=60))
+    for request_id in list(engine.requests):
+        engine.abort_request(request_id)
+
+
+if __name__ == "__main__":
+    main()
