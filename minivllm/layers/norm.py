@@ -18,6 +18,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """With a residual: (norm(x + residual), x + residual). On GPU one fused kernel,
+        which writes the sum into `residual`."""
+        if x.is_cuda:
+            from minivllm.kernels import fused_ops  # Triton: GPU only
+            if residual is None:
+                return fused_ops.rms_norm(x, self.weight, self.eps)
+            return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual

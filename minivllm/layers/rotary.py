@@ -38,7 +38,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [N, Hq, D], k [N, Hkv, D] -> rotated (same dtype)."""
+        """q [N, Hq, D], k [N, Hkv, D] -> rotated (same dtype; on GPU in place, one kernel)."""
+        if q.is_cuda:
+            from minivllm.kernels import fused_ops  # Triton: GPU only
+            return fused_ops.rotary_embedding(positions, q, k, self.cos_sin)
         cos_sin = self.cos_sin[positions]
         cos, sin = cos_sin[:, 0, None, :].to(q.dtype), cos_sin[:, 1, None, :].to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -1,0 +1,205 @@
+"""Microbenchmark of the small per-token ops: torch eager vs torch.compile vs Triton (GPU only).
+
+    python benchmarks/fused_ops.py            # the table (< 1 min including compiles)
+    python benchmarks/fused_ops.py --sweep    # also try other launch configs of the Triton kernels
+
+Shapes are Qwen3-0.6B's (hidden 1024, intermediate 3072, 16 query heads, 8 KV heads,
+head_dim 128), bf16, for N = 1, 64, 256, 2048, 8192 tokens. Ops:
+
+* rms_norm      RMSNorm(x)                       (the first layer's input norm, q/k norms)
+* add_rms_norm  RMSNorm(x, residual)             (every other norm of a decoder layer)
+* rope          RotaryEmbedding(positions, q, k) (the Triton kernel rotates in place)
+* silu_and_mul  SiluAndMul(gate_up)
+
+Variants: (1) eager = minivllm/layers' torch code, (2) compile = torch.compile(dynamic=False,
+default mode) of that same code, (3) triton = minivllm/kernels/fused_ops.py. Times are
+medians in microseconds: triton.testing.do_bench (each call launched from Python, L2
+flushed between calls) and, in brackets for N <= 256, do_bench_cudagraph (the call
+captured in a CUDA graph, as a decode step replays it: no launch overhead, warm L2).
+GB/s counts the bytes an op must move (each input read once, each output written once)
+over the do_bench time. The last lines sum one decoder layer's share
+(2 add_rms_norm + rope + silu_and_mul) at N=256.
+"""
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+from transformers import PretrainedConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, uninstalled
+from minivllm.kernels import fused_ops  # noqa: E402
+from minivllm.layers.activation import SiluAndMul  # noqa: E402
+from minivllm.layers.norm import RMSNorm  # noqa: E402
+from minivllm.layers.rotary import RotaryEmbedding  # noqa: E402
+
+H, INTER, HQ, HKV, D, MAX_POS, EPS = 1024, 3072, 16, 8, 128, 40960, 1e-6
+DTYPE = torch.bfloat16
+SIZES = (1, 64, 256, 2048, 8192)
+OPS = ("rms_norm", "add_rms_norm", "rope", "silu_and_mul")
+VARIANTS = ("eager", "compile", "triton")
+GRAPH_MAX_N = 256  # larger N: no CUDA-graph column (those steps are not captured)
+LAYER_OPS = {"add_rms_norm": 2, "rope": 1, "silu_and_mul": 1}  # per decoder layer
+
+
+def time_us(fn: Callable[[], object], graph: bool = True) -> tuple[float, float]:
+    """(do_bench median, do_bench_cudagraph median or nan), microseconds.
+
+    Short reps keep the whole script under a minute: do_bench_cudagraph captures rep / (time
+    per call) calls, thousands of nodes for a launch-bound eager op, and graph building is
+    the slow part.
+    """
+    eager = triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
+    replay = float("nan")
+    if graph:
+        try:
+            replay = triton.testing.do_bench_cudagraph(fn, rep=10, return_mode="median")
+        except Exception:  # a variant that cannot be captured: say so rather than abort the table
+            pass
+    return eager * 1e3, replay * 1e3
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(1 << 28, dtype=torch.float32, device="cuda")  # 1 GiB
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=10, rep=50, return_mode="median")
+    return 2 * x.numel() * x.element_size() / (ms * 1e-3)
+
+
+class Layer:
+    """The torch modules, with Qwen3-0.6B shapes and random bf16 weights."""
+
+    def __init__(self) -> None:
+        self.norm = RMSNorm(H, EPS).to("cuda", DTYPE)
+        self.norm.weight.copy_(1 + 0.1 * torch.randn(H))
+        self.rope = RotaryEmbedding(PretrainedConfig(rope_theta=1e6), D, MAX_POS).cuda()
+        self.act = SiluAndMul()
+        # One compiled callable per op; dynamic=False recompiles it for each N.
+        self.compiled = {
+            "rms_norm": torch.compile(lambda x: self.norm(x), dynamic=False),
+            "add_rms_norm": torch.compile(lambda x, r: self.norm(x, r), dynamic=False),
+            "rope": torch.compile(lambda p, q, k: self.rope(p, q, k), dynamic=False),
+            "silu_and_mul": torch.compile(lambda x: self.act(x), dynamic=False),
+        }
+
+    def ops(self, n: int) -> dict[str, tuple[dict[str, Callable[[], object]], int]]:
+        """op -> ({variant: zero-argument call}, bytes the op must move)."""
+        def rnd(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, dtype=DTYPE, device="cuda")
+
+        x, residual, gate_up = rnd(n, H), rnd(n, H), rnd(n, 2 * INTER)
+        q, k = rnd(n, HQ, D), rnd(n, HKV, D)
+        positions = torch.randint(0, MAX_POS, (n,), device="cuda")
+        w, c, e = self.norm.weight, self.compiled, DTYPE.itemsize
+        return {
+            "rms_norm": ({
+                "eager": lambda: self.norm(x),
+                "compile": lambda: c["rms_norm"](x),
+                "triton": lambda: fused_ops.rms_norm(x, w, EPS),
+            }, 2 * n * H * e),
+            "add_rms_norm": ({
+                "eager": lambda: self.norm(x, residual),
+                "compile": lambda: c["add_rms_norm"](x, residual),
+                # In place into `residual`: it drifts over the repetitions, harmlessly.
+                "triton": lambda: fused_ops.add_rms_norm(x, residual, w, EPS),
+            }, 4 * n * H * e),
+            "rope": ({
+                "eager": lambda: self.rope(positions, q, k),
+                "compile": lambda: c["rope"](positions, q, k),
+                "triton": lambda: fused_ops.rotary_embedding(positions, q, k, self.rope.cos_sin),
+            }, 2 * n * (HQ + HKV) * D * e + n * (2 * D * 4 + 8)),  # q, k in and out; cos/sin rows; positions
+            "silu_and_mul": ({
+                "eager": lambda: self.act(gate_up),
+                "compile": lambda: c["silu_and_mul"](gate_up),
+                "triton": lambda: fused_ops.silu_and_mul(gate_up),
+            }, 3 * n * INTER * e),
+        }
+
+
+def table(layer: Layer, peak: float) -> None:
+    print(f"\n{'op':<13}{'N':>6}  " + "".join(f"{v + ' us':>20}" for v in VARIANTS)
+          + f"{'GB/s e/c/t':>19}{'t % copy':>9}")
+    per_layer = {v: [0.0, 0.0] for v in VARIANTS}
+    compile_s = 0.0
+    for op in OPS:
+        for n in SIZES:
+            fns, nbytes = layer.ops(n)[op]
+            t0 = time.perf_counter()
+            try:
+                fns["compile"]()  # compile outside the timing
+            except Exception as exc:  # report and go on: the other variants still mean something
+                print(f"   torch.compile failed for {op} N={n}: {type(exc).__name__}: {exc}"[:300])
+                fns["compile"] = lambda: None
+            torch.cuda.synchronize()
+            compile_s += time.perf_counter() - t0
+            # Graphs matter for decode steps (small N) only; mixed/prefill steps run eagerly.
+            times = {v: time_us(fns[v], graph=n <= GRAPH_MAX_N) for v in VARIANTS}
+            if n == 256 and op in LAYER_OPS:
+                for v in VARIANTS:
+                    per_layer[v][0] += LAYER_OPS[op] * times[v][0]
+                    per_layer[v][1] += LAYER_OPS[op] * times[v][1]
+            gbs = {v: nbytes / (t * 1e-6) / 1e9 for v, (t, _) in times.items()}
+            cells = "".join(f"{t:9.1f} [{g:7.1f}] " if g == g else f"{t:9.1f} {'':9} "
+                            for t, g in times.values())
+            print(f"{op:<13}{n:>6}  {cells}{'/'.join(f'{b:.0f}' for b in gbs.values()):>19}"
+                  f"{100 * gbs['triton'] * 1e9 / peak:>9.1f}", flush=True)
+    print(f"\n(torch.compile took {compile_s:.1f} s over all shapes)")
+    print("per decoder layer at N=256 (2 add_rms_norm + rope + silu_and_mul), us [graph]:")
+    for v, (t, g) in per_layer.items():
+        print(f"   {v:<8}{t:8.1f} [{g:7.1f}]")
+
+
+def sweep(layer: Layer) -> None:
+    """The Triton variant under other launch configs (monkeypatched heuristics)."""
+    print("\n== sweep (triton only), do_bench us [graph]")
+    originals = (fused_ops._norm_launch_config, fused_ops._rope_num_warps, fused_ops._silu_launch_config)
+    try:
+        for n in (256, 8192):
+            ops = layer.ops(n)
+            for block_m in (1, 2, 4):
+                for warps in (2, 4, 8):
+                    fused_ops._norm_launch_config = lambda h, rows, m=block_m, w=warps: (
+                        m, triton.next_power_of_2(h), w)
+                    t, g = time_us(ops["add_rms_norm"][0]["triton"], graph=n <= GRAPH_MAX_N)
+                    print(f"   add_rms_norm N={n:5d} BLOCK_M={block_m} warps={warps}: {t:7.1f} [{g:7.1f}]")
+            fused_ops._norm_launch_config = originals[0]
+            for warps in (1, 2, 4, 8):
+                fused_ops._rope_num_warps = lambda bh, d, w=warps: w
+                t, g = time_us(ops["rope"][0]["triton"], graph=n <= GRAPH_MAX_N)
+                print(f"   rope N={n:5d} warps={warps}: {t:7.1f} [{g:7.1f}]")
+            fused_ops._rope_num_warps = originals[1]
+            for block in (512, 1024, 2048):
+                for warps in (2, 4, 8):
+                    fused_ops._silu_launch_config = lambda i, b=block, w=warps: (b, w)
+                    t, g = time_us(ops["silu_and_mul"][0]["triton"], graph=n <= GRAPH_MAX_N)
+                    print(f"   silu_and_mul N={n:5d} BLOCK={block} warps={warps}: {t:7.1f} [{g:7.1f}]")
+            fused_ops._silu_launch_config = originals[2]
+    finally:
+        fused_ops._norm_launch_config, fused_ops._rope_num_warps, fused_ops._silu_launch_config = originals
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true", help="also time other launch configs")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/fused_ops.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    peak = copy_bandwidth()
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+          f"device copy (read + write) {peak / 1e9:.0f} GB/s")
+    print(f"Qwen3-0.6B shapes: H={H}, I={INTER}, Hq={HQ}, Hkv={HKV}, D={D}, {DTYPE}")
+    with torch.inference_mode():
+        layer = Layer()
+        table(layer, peak)
+        if args.sweep:
+            sweep(layer)
+
+
+if __name__ == "__main__":
+    main()

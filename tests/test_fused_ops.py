@@ -1,0 +1,328 @@
+"""Triton RMSNorm / rotary / SiluAndMul kernels against the torch layers they replace.
+
+The references are minivllm/layers' own RMSNorm, RotaryEmbedding and SiluAndMul, and the
+kernels promise the same rounding, so results are compared in ulps of the output dtype,
+not with a loose tolerance. On a machine without CUDA the kernels run under Triton's
+interpreter (small shapes, fp32/fp16: the interpreter mishandles bf16); with CUDA they run
+compiled, and the `gpu`-marked tests add realistic shapes, bf16 and CUDA-graph capture.
+"""
+
+import os
+
+import torch  # importing torch does not import triton, so the variable below still counts
+
+# Same convention as tests/test_triton_kernels.py: `triton.jit` picks interpreter or
+# compiler when a function is defined, so TRITON_INTERPRET must be set before anything
+# imports triton. If another import got there first in compiled mode, this module's tests
+# rerun in a fresh process (the last test) and skip here.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import triton.language as tl  # noqa: E402
+from transformers import PretrainedConfig  # noqa: E402
+
+RERUN_IN_SUBPROCESS = False
+if INTERPRET:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    RERUN_IN_SUBPROCESS = not isinstance(tl.max, InterpretedFunction)
+    from minivllm.kernels import patch_triton_interpreter
+
+    patch_triton_interpreter()  # NumPy >= 2.4 compatibility (see its docstring)
+
+from minivllm.kernels import fused_ops  # noqa: E402
+from minivllm.layers.activation import SiluAndMul  # noqa: E402
+from minivllm.layers.norm import RMSNorm  # noqa: E402
+from minivllm.layers.rotary import RotaryEmbedding  # noqa: E402
+
+DEVICE = "cpu" if INTERPRET else "cuda"
+CPU_DTYPES = [torch.float32, torch.float16]
+GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+EPS = 1e-6
+
+
+@pytest.fixture(autouse=True)
+def _needs_working_interpreter(request):
+    if RERUN_IN_SUBPROCESS and request.node.name != "test_fused_ops_in_fresh_interpreter_process":
+        pytest.skip("triton was imported in compiled mode before this module; "
+                    "test_fused_ops_in_fresh_interpreter_process runs this test instead")
+
+
+# ----------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------
+def assert_ulps(actual: torch.Tensor, expected: torch.Tensor, max_ulps: int, min_exact: float = 0.0) -> None:
+    """|actual - expected| <= max_ulps ulps of expected (in its dtype), element-wise, and at
+    least a fraction min_exact of the elements bit-identical."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    mag = expected.abs()
+    ulp = (torch.nextafter(mag, torch.full_like(mag, float("inf"))) - mag).double()
+    err = (actual.double() - expected.double()).abs()
+    worst = (err / ulp).max().item() if err.numel() else 0.0
+    assert worst <= max_ulps, f"max error {worst:.2f} ulps > {max_ulps}"
+    if err.numel():
+        exact = (err == 0).double().mean().item()
+        assert exact >= min_exact, f"only {exact:.4f} of the elements bit-identical (< {min_exact})"
+
+
+def norm_tolerance(dtype: torch.dtype) -> dict:
+    """Summation order differs from torch's, so the float32 rstd may be an ulp or two off,
+    which moves every element of the row by a few ulps. Rounding to 16 bits hides nearly
+    all of it; where the normed value does flip by one ulp, `weight *` can make that up to
+    two or three ulps of the output."""
+    if dtype == torch.float32:
+        return dict(max_ulps=8)
+    return dict(max_ulps=3, min_exact=0.95)
+
+
+def make_norm(hidden: int, dtype: torch.dtype, seed: int = 0) -> RMSNorm:
+    norm = RMSNorm(hidden, EPS).to(DEVICE, dtype)
+    gen = torch.Generator().manual_seed(seed)
+    norm.weight.copy_(1 + 0.5 * torch.randn(hidden, generator=gen))  # non-trivial scale
+    return norm
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=gen)).to(DEVICE, dtype)
+
+
+def make_rope(head_dim: int, max_pos: int, random_table: bool = False) -> torch.Tensor:
+    """A cos_sin table: the layer's own (Qwen3's theta), or random with unequal halves to
+    check that the kernel reads the table rather than assuming its structure."""
+    if random_table:
+        return randn(max_pos, 2, head_dim, dtype=torch.float32, seed=7)
+    return RotaryEmbedding(PretrainedConfig(rope_theta=1e6), head_dim, max_pos).cos_sin.to(DEVICE)
+
+
+def reference_rope(positions, q, k, cos_sin):
+    rope = RotaryEmbedding(PretrainedConfig(rope_theta=1e6), q.shape[-1], 1)
+    rope.cos_sin = cos_sin  # the layer's forward applied to this table
+    return rope(positions, q, k)
+
+
+# ----------------------------------------------------------------------------------------
+# RMSNorm
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("num_tokens,hidden", [(1, 8), (5, 48), (3, 256), (0, 64)])
+def test_rms_norm(dtype, num_tokens, hidden):
+    norm = make_norm(hidden, dtype)
+    x = randn(num_tokens, hidden, dtype=dtype, seed=1, scale=3.0)
+    x_before = x.clone()
+    out = fused_ops.rms_norm(x, norm.weight, EPS)
+    assert torch.equal(x, x_before)
+    assert_ulps(out, norm(x), **norm_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("num_tokens,hidden", [(1, 8), (6, 40), (0, 32)])
+def test_add_rms_norm_updates_residual_in_place(dtype, num_tokens, hidden):
+    norm = make_norm(hidden, dtype)
+    x = randn(num_tokens, hidden, dtype=dtype, seed=2)
+    residual = randn(num_tokens, hidden, dtype=dtype, seed=3, scale=4.0)
+    ref_out, ref_residual = norm(x, residual.clone())
+    x_before = x.clone()
+    out, new_residual = fused_ops.add_rms_norm(x, residual, norm.weight, EPS)
+    assert new_residual is residual  # documented: the sum is written into `residual`
+    assert torch.equal(residual, ref_residual)  # one rounding of an exact sum: bit-identical
+    assert torch.equal(x, x_before)
+    assert_ulps(out, ref_out, **norm_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_rms_norm_strided_views(dtype):
+    """Per-head norm on the q slice of a packed qkv tensor (3D, row stride != Hq * D), and a
+    2D input with a row stride, as the model hands them over without copying."""
+    num_tokens, hq, hkv, head_dim = 3, 4, 2, 16
+    qkv = randn(num_tokens, (hq + 2 * hkv) * head_dim, dtype=dtype, seed=4)
+    q = qkv[:, : hq * head_dim].view(num_tokens, hq, head_dim)
+    norm = make_norm(head_dim, dtype)
+    out = fused_ops.rms_norm(q, norm.weight, EPS)
+    assert out.shape == q.shape and out.is_contiguous()
+    assert_ulps(out, norm(q), **norm_tolerance(dtype))
+
+    wide = randn(5, 64, dtype=dtype, seed=5)
+    x, residual = wide[:, :24], wide[:, 32:56]  # row stride 64, not 24
+    norm = make_norm(24, dtype)
+    ref_out, ref_residual = norm(x, residual.clone())
+    out, _ = fused_ops.add_rms_norm(x, residual, norm.weight, EPS)
+    assert torch.equal(residual, ref_residual)
+    assert torch.equal(wide[:, 24:32], randn(5, 64, dtype=dtype, seed=5)[:, 24:32])  # gap untouched
+    assert_ulps(out, ref_out, **norm_tolerance(dtype))
+
+
+# ----------------------------------------------------------------------------------------
+# Rotary embedding
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("num_tokens,hq,hkv,head_dim,random_table", [
+    (1, 2, 1, 8, False),
+    (5, 6, 2, 16, False),  # non-power-of-two head counts
+    (4, 3, 3, 12, True),  # half = 6: masked lanes; unequal table halves
+    (0, 2, 1, 8, False),
+])
+def test_rotary_embedding(dtype, num_tokens, hq, hkv, head_dim, random_table):
+    max_pos = 64
+    cos_sin = make_rope(head_dim, max_pos, random_table)
+    positions = torch.randint(0, max_pos, (num_tokens,), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    q = randn(num_tokens, hq, head_dim, dtype=dtype, seed=1)
+    k = randn(num_tokens, hkv, head_dim, dtype=dtype, seed=2)
+    ref_q, ref_k = reference_rope(positions, q, k, cos_sin)
+    out_q, out_k = fused_ops.rotary_embedding(positions, q, k, cos_sin)
+    assert out_q is q and out_k is k  # documented: rotated in place
+    # Same roundings as eager torch, and no fused multiply-add: bit-identical.
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_rotary_embedding_on_packed_qkv_views(dtype):
+    num_tokens, hq, hkv, head_dim = 3, 4, 2, 8
+    qkv = randn(num_tokens, (hq + 2 * hkv) * head_dim, dtype=dtype, seed=3)
+    q, k, v = qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
+    q, k = q.view(num_tokens, hq, head_dim), k.view(num_tokens, hkv, head_dim)
+    v_before = v.clone()
+    cos_sin = make_rope(head_dim, 32)
+    positions = torch.tensor([0, 7, 31], device=DEVICE, dtype=torch.int32)  # int32 accepted
+    ref_q, ref_k = reference_rope(positions.long(), q, k, cos_sin)
+    fused_ops.rotary_embedding(positions, q, k, cos_sin)
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k) and torch.equal(v, v_before)
+
+
+# ----------------------------------------------------------------------------------------
+# SiluAndMul
+# ----------------------------------------------------------------------------------------
+def silu_tolerance(dtype: torch.dtype) -> dict:
+    if dtype == torch.float32:
+        return dict(max_ulps=4)
+    return dict(max_ulps=3, min_exact=0.99)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("num_tokens,inter", [(1, 8), (3, 24), (2, 1500), (0, 16)])  # 1500: 2 masked blocks
+def test_silu_and_mul(dtype, num_tokens, inter):
+    x = randn(num_tokens, 2 * inter, dtype=dtype, seed=1, scale=4.0)
+    out = fused_ops.silu_and_mul(x)
+    assert out.shape == (num_tokens, inter) and out.dtype == dtype
+    # exp is not correctly rounded and numpy's differs from torch's, so float32 may be a few
+    # ulps off; rounding silu to fp16 absorbs nearly all of it, but when it does flip, `* up`
+    # turns that one ulp of silu into up to two of the output.
+    assert_ulps(out, SiluAndMul()(x), **silu_tolerance(dtype))
+
+
+def test_bad_inputs_are_rejected():
+    x = randn(4, 16, dtype=torch.float32, seed=0)
+    with pytest.raises(AssertionError):
+        fused_ops.rms_norm(x.t(), torch.ones(4, device=DEVICE), EPS)  # last dim not contiguous
+    with pytest.raises(AssertionError):
+        fused_ops.rms_norm(x, torch.ones(16, device=DEVICE, dtype=torch.float16), EPS)  # dtype mismatch
+    with pytest.raises(AssertionError):
+        fused_ops.silu_and_mul(randn(2, 7, dtype=torch.float32, seed=0))  # odd width
+
+
+# ----------------------------------------------------------------------------------------
+# GPU: realistic shapes, bf16, CUDA graphs
+# ----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("hidden", [1024, 4096, 5120])
+@pytest.mark.parametrize("num_tokens", [1, 257, 8192])
+def test_gpu_norms_realistic(dtype, hidden, num_tokens):
+    norm = make_norm(hidden, dtype)
+    x = randn(num_tokens, hidden, dtype=dtype, seed=1)
+    residual = randn(num_tokens, hidden, dtype=dtype, seed=2, scale=8.0)
+    assert_ulps(fused_ops.rms_norm(x, norm.weight, EPS), norm(x), **norm_tolerance(dtype))
+    ref_out, ref_residual = norm(x, residual.clone())
+    out, _ = fused_ops.add_rms_norm(x, residual, norm.weight, EPS)
+    assert torch.equal(residual, ref_residual)
+    assert_ulps(out, ref_out, **norm_tolerance(dtype))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_qk_norm_and_rope_realistic(dtype):
+    """Qwen3-0.6B attention input: per-head q/k norm then RoPE on views of a packed qkv."""
+    num_tokens, hq, hkv, head_dim, max_pos = 3000, 16, 8, 128, 40960
+    qkv = randn(num_tokens, (hq + 2 * hkv) * head_dim, dtype=dtype, seed=3)
+    q, k, v = qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
+    q, k = q.view(num_tokens, hq, head_dim), k.view(num_tokens, hkv, head_dim)
+    norm = make_norm(head_dim, dtype)
+    assert_ulps(fused_ops.rms_norm(q, norm.weight, EPS), norm(q), **norm_tolerance(dtype))
+
+    cos_sin = make_rope(head_dim, max_pos)
+    positions = torch.randint(0, max_pos, (num_tokens,), device=DEVICE)
+    v_before = v.clone()
+    ref_q, ref_k = reference_rope(positions, q, k, cos_sin)
+    fused_ops.rotary_embedding(positions, q, k, cos_sin)
+    assert torch.equal(v, v_before)
+    # Same roundings as eager torch (FMA contraction is off in the kernel): bit-identical.
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("inter", [3072, 12288, 1000])
+@pytest.mark.parametrize("num_tokens", [1, 4097])
+def test_gpu_silu_and_mul_realistic(dtype, inter, num_tokens):
+    x = randn(num_tokens, 2 * inter, dtype=dtype, seed=1, scale=4.0)
+    assert_ulps(fused_ops.silu_and_mul(x), SiluAndMul()(x), **silu_tolerance(dtype))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_cuda_graph_capture():
+    """All four ops in one captured graph, replayed on new inputs, match eager calls."""
+    dtype, n, hidden, inter, hq, hkv, d = torch.bfloat16, 64, 1024, 3072, 16, 8, 128
+    norm = make_norm(hidden, dtype)
+    cos_sin = make_rope(d, 4096)
+    x, residual = randn(n, hidden, dtype=dtype, seed=1), randn(n, hidden, dtype=dtype, seed=2)
+    q, k = randn(n, hq, d, dtype=dtype, seed=3), randn(n, hkv, d, dtype=dtype, seed=4)
+    gate_up = randn(n, 2 * inter, dtype=dtype, seed=5)
+    positions = torch.arange(n, device=DEVICE)
+
+    def step():
+        a = fused_ops.rms_norm(x, norm.weight, EPS)
+        b, _ = fused_ops.add_rms_norm(x, residual, norm.weight, EPS)
+        fused_ops.rotary_embedding(positions, q, k, cos_sin)
+        return a, b, fused_ops.silu_and_mul(gate_up)
+
+    inputs = (x, residual, q, k, gate_up)
+    originals = [t.clone() for t in inputs]
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for t, new in zip(inputs, [t + 1 for t in originals]):
+        t.copy_(new)
+    positions.add_(100)
+    expected_inputs = [t.clone() for t in inputs]
+    graph.replay()
+    got = [o.clone() for o in outs] + [residual.clone(), q.clone(), k.clone()]
+    for t, src in zip(inputs, expected_inputs):
+        t.copy_(src)
+    want = list(step()) + [residual, q, k]
+    torch.cuda.synchronize()
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+# ----------------------------------------------------------------------------------------
+# Fallback when triton was already imported in compiled mode (no CUDA)
+# ----------------------------------------------------------------------------------------
+@pytest.mark.skipif(not RERUN_IN_SUBPROCESS, reason="the interpreter is active in this process")
+def test_fused_ops_in_fresh_interpreter_process():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-m", "not gpu"],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
