@@ -9,49 +9,23 @@ compiled, and the `gpu`-marked tests add realistic shapes, bf16 and CUDA-graph c
 
 import os
 
-import torch  # importing torch does not import triton, so the variable below still counts
+import pytest
+import torch
+from transformers import PretrainedConfig
 
-# Same convention as tests/test_triton_kernels.py: `triton.jit` picks interpreter or
-# compiler when a function is defined, so TRITON_INTERPRET must be set before anything
-# imports triton. If another import got there first in compiled mode, this module's tests
-# rerun in a fresh process (the last test) and skip here.
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+from minivllm.kernels import fused_ops
+from minivllm.layers.activation import SiluAndMul
+from minivllm.layers.norm import RMSNorm
+from minivllm.layers.rotary import RotaryEmbedding
+
+# Without CUDA the kernels run in Triton's interpreter: tests/conftest.py sets
+# TRITON_INTERPRET=1 before anything imports triton.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-
-import pytest  # noqa: E402
-import triton.language as tl  # noqa: E402
-from transformers import PretrainedConfig  # noqa: E402
-
-RERUN_IN_SUBPROCESS = False
-if INTERPRET:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    RERUN_IN_SUBPROCESS = not isinstance(tl.max, InterpretedFunction)
-    from minivllm.kernels import patch_triton_interpreter
-
-    patch_triton_interpreter()  # NumPy >= 2.4 compatibility (see its docstring)
-
-from minivllm.kernels import fused_ops  # noqa: E402
-from minivllm.layers.activation import SiluAndMul  # noqa: E402
-from minivllm.layers.norm import RMSNorm  # noqa: E402
-from minivllm.layers.rotary import RotaryEmbedding  # noqa: E402
-
 DEVICE = "cpu" if INTERPRET else "cuda"
 CPU_DTYPES = [torch.float32, torch.float16]
 GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 EPS = 1e-6
-
-
-@pytest.fixture(autouse=True)
-def _needs_working_interpreter(request):
-    if RERUN_IN_SUBPROCESS and request.node.name != "test_fused_ops_in_fresh_interpreter_process":
-        pytest.skip("triton was imported in compiled mode before this module; "
-                    "test_fused_ops_in_fresh_interpreter_process runs this test instead")
 
 
 # ----------------------------------------------------------------------------------------
@@ -314,15 +288,3 @@ def test_gpu_cuda_graph_capture():
     torch.cuda.synchronize()
     for g, w in zip(got, want):
         assert torch.equal(g, w)
-
-
-# ----------------------------------------------------------------------------------------
-# Fallback when triton was already imported in compiled mode (no CUDA)
-# ----------------------------------------------------------------------------------------
-@pytest.mark.skipif(not RERUN_IN_SUBPROCESS, reason="the interpreter is active in this process")
-def test_fused_ops_in_fresh_interpreter_process():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-m", "not gpu"],
-        env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]

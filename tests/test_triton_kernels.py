@@ -6,51 +6,23 @@ and the `gpu`-marked tests add realistic shapes (`pytest -m gpu`).
 """
 
 import os
+import random
 
-import torch  # importing torch does not import triton, so the variable below still counts
+import pytest
+import torch
+import triton
 
-# On CPU, kernels must run under Triton's interpreter. `triton.jit` chooses interpreter or
-# compiler when a function is defined -- Triton's own library functions (tl.max, tl.sum...)
-# included -- so TRITON_INTERPRET must be set before anything imports triton. Setting it
-# here works when this module is the first to import triton. When another import got there
-# first (torch._dynamo imports triton, and transformers imports torch._dynamo), this
-# module's tests run in a fresh interpreter process instead (see the last test); setting
-# the variable at the top of tests/conftest.py avoids that detour.
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+import minivllm.attention.triton_backend as triton_backend
+import minivllm.kernels.kv_store as kv_store
+import minivllm.kernels.paged_attention as paged_attention
+from minivllm.attention.metadata import AttentionMetadata
+
+# Without CUDA the kernels run in Triton's interpreter: tests/conftest.py sets
+# TRITON_INTERPRET=1 before anything imports triton.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-import random  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-
-import pytest  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-RERUN_IN_SUBPROCESS = False
-if INTERPRET:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    RERUN_IN_SUBPROCESS = not isinstance(tl.max, InterpretedFunction)
-    from minivllm.kernels import patch_triton_interpreter
-
-    patch_triton_interpreter()  # NumPy >= 2.4 compatibility (see its docstring)
-
-import minivllm.attention.triton_backend as triton_backend  # noqa: E402
-import minivllm.kernels.kv_store as kv_store  # noqa: E402
-import minivllm.kernels.paged_attention as paged_attention  # noqa: E402
-from minivllm.attention.metadata import AttentionMetadata  # noqa: E402
-
 DEVICE = "cpu" if INTERPRET else "cuda"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-
-@pytest.fixture(autouse=True)
-def _needs_working_interpreter(request):
-    if RERUN_IN_SUBPROCESS and request.node.name != "test_kernels_in_fresh_interpreter_process":
-        pytest.skip("triton was imported in compiled mode before this module; "
-                    "test_kernels_in_fresh_interpreter_process runs this test instead")
 
 # (atol, rtol) per dtype: inputs are rounded to the dtype, accumulation is fp32; the
 # probabilities are rounded to the dtype before the P @ V matmul (as in FlashAttention).
@@ -411,16 +383,3 @@ def test_gpu_decode_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, 0.1), dtype)
-
-
-# ----------------------------------------------------------------------------------------
-# Fallback when triton was imported (compiled mode, CPU) before this module could set
-# TRITON_INTERPRET: rerun this file in a fresh process where it is set from the start.
-# ----------------------------------------------------------------------------------------
-@pytest.mark.skipif(not RERUN_IN_SUBPROCESS, reason="kernels already run under the interpreter here")
-def test_kernels_in_fresh_interpreter_process():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-m", "not gpu"],
-        env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
