@@ -5,7 +5,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from tests.hf_oracle import hf_greedy
-from tests.test_generate_hf import ARCHITECTURES, expected, mixed_prompts, run, vocab
+from tests.test_generate_hf import ARCHITECTURES, mixed_prompts, run, vocab
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -17,42 +17,67 @@ def gpu_llm(model_dir: str, **kwargs: object) -> LLM:
     return LLM(model_dir, **kwargs)
 
 
+# GPU fp32 matmuls round differently from the CPU oracle's: where HF's two best tokens are
+# closer than this (in logprob), either choice is right and the comparison stops there.
+NEAR_TIE = 1e-3
+
+
+def assert_greedy_matches_hf(model_dir: str, prompts: list[list[int]], outputs: list[list[int]],
+                             max_tokens: int) -> None:
+    for prompt, got in zip(prompts, outputs):
+        want, logprobs = hf_greedy(model_dir, prompt, max_tokens)
+        diverged = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if diverged is None:
+            assert len(got) == len(want)
+            continue
+        top2 = torch.topk(logprobs[diverged], 2).values
+        gap = float(top2[0] - top2[1])
+        assert gap < NEAR_TIE, f"diverged from HF at token {diverged} where HF's top-2 gap is {gap:.2e}"
+
+
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_fp32_greedy_matches_hf(arch: str, tiny_model_factory) -> None:
     architecture, overrides = ARCHITECTURES[arch]
     model_dir = tiny_model_factory(architecture, **overrides)
     prompts = mixed_prompts(vocab(model_dir), seed=11)
-    want = expected(model_dir, prompts, max_tokens=20)
     block_bytes = gpu_llm(model_dir, enforce_eager=True).llm_engine.model_runner._kv_bytes_per_block()
     for kwargs in ({}, {"enforce_eager": True}, {"max_num_batched_tokens": 13},
                    {"kv_cache_memory_bytes": 20 * block_bytes, "max_num_batched_tokens": 13}):
         llm = gpu_llm(model_dir, **kwargs)
-        assert run(llm, prompts, max_tokens=20) == want, kwargs
-        assert run(llm, prompts, max_tokens=20) == want, kwargs  # second run: prefix-cache hits
+        for _ in range(2):  # the second run hits the prefix cache
+            assert_greedy_matches_hf(model_dir, prompts, run(llm, prompts, max_tokens=20), max_tokens=20)
         print(arch, kwargs, llm.llm_engine.stats())
+
+
+def first_step_logits(model_dir: str, prompts: list[list[int]], dtype: str, backend: str) -> torch.Tensor:
+    """Logits at the last prompt position of each prompt, from one eager prefill step."""
+    from minivllm.engine.scheduler import ScheduledBatch
+    from minivllm.engine.sequence import Sequence
+
+    runner = gpu_llm(model_dir, dtype=dtype, attention_backend=backend, enforce_eager=True).llm_engine.model_runner
+    batch = ScheduledBatch()
+    for i, prompt in enumerate(prompts):
+        seq = Sequence(str(i), 0, prompt, SamplingParams())
+        seq.block_table = list(range(i * 16, i * 16 + -(-len(prompt) // 8)))
+        batch.add(seq, len(prompt), samples=True)
+    inputs = runner.prepare_inputs(batch)
+    with torch.inference_mode():
+        hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)[inputs.logits_indices]
+        return runner.model.compute_logits(hidden).float()
 
 
 def test_bf16_first_step_logits_match_torch_backend(tiny_model_factory) -> None:
     model_dir = tiny_model_factory("Qwen3ForCausalLM", dtype=torch.bfloat16)
     prompts = mixed_prompts(vocab(model_dir), seed=12)
-    logits = {}
+    reference = first_step_logits(model_dir, prompts, "float32", "torch")
+    errors = {}
     for backend in ("torch", "triton"):
-        runner = gpu_llm(model_dir, dtype="bfloat16", attention_backend=backend,
-                         enforce_eager=True).llm_engine.model_runner
-        from minivllm.engine.scheduler import ScheduledBatch
-        from minivllm.engine.sequence import Sequence
-        batch = ScheduledBatch()
-        for i, prompt in enumerate(prompts):
-            seq = Sequence(str(i), 0, prompt, SamplingParams())
-            seq.block_table = list(range(i * 16, i * 16 + -(-len(prompt) // 8)))
-            batch.add(seq, len(prompt))
-        inputs = runner.prepare_inputs(batch)
-        with torch.inference_mode():
-            hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)[inputs.logits_indices]
-            logits[backend] = runner.model.compute_logits(hidden).float()
-    error = (logits["triton"] - logits["torch"]).norm() / logits["torch"].norm()
-    print("bf16 relative logits error triton vs torch:", float(error))
-    assert error < 2e-2
+        logits = first_step_logits(model_dir, prompts, "bfloat16", backend)
+        errors[backend] = float((logits - reference).norm() / reference.norm())
+    print("bf16 relative logits error vs fp32:", errors)
+    # Triton in bf16 is as close to the fp32 result as the torch reference in bf16 is.
+    assert errors["triton"] <= 1.25 * errors["torch"] + 1e-3
+    assert errors["torch"] < 5e-2
 
 
 def test_full_length_sequence_under_cuda_graphs(tiny_model_factory) -> None:
@@ -62,5 +87,6 @@ def test_full_length_sequence_under_cuda_graphs(tiny_model_factory) -> None:
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True), use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
-        assert len(prompt) + len(output.outputs[0].token_ids) == 64
-        assert list(output.outputs[0].token_ids) == hf_greedy(model_dir, prompt, 64 - len(prompt))[0]
+        tokens = list(output.outputs[0].token_ids)
+        assert len(prompt) + len(tokens) == 64
+        assert_greedy_matches_hf(model_dir, [prompt], [tokens], 64 - len(prompt))
