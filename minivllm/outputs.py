@@ -47,3 +47,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = field(default=None)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -46,6 +46,7 @@ def test_block_multiple_prompt_fully_cached(llm: LLM, model_dir: str) -> None:
     for _ in range(2):
         out = llm.generate({"prompt_token_ids": prompt}, greedy(6), use_tqdm=False)[0]
         assert list(out.outputs[0].token_ids) == want
+    assert out.num_cached_tokens == 2 * BLOCK_SIZE
     # Second run: all but the last block hit; the last token is recomputed.
     assert llm.llm_engine.stats()["prefix_cache_hits"] - hits_before == 2 * BLOCK_SIZE
 

@@ -266,7 +266,7 @@ class LLMEngine:
                 cumulative_logprob=seq.cumulative_logprob if request.params.logprobs is not None else None,
                 logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             request.finished, request.metrics)
+                             request.finished, request.metrics, request.seqs[0].num_cached_tokens)
 
     def _final_text(self, seq: Sequence) -> str:
         if self.tokenizer is None:
