@@ -6,9 +6,14 @@ Same interface as the torch reference backend (torch_backend.py):
 
 Decode-only steps (meta.max_query_len == 1) take the split-KV decode kernel. Mixed steps
 send their leading one-token sequences (decodes; the scheduler puts them first) to the
-decode kernel too, and the rest to the mixed kernel. Both are CUDA-graph capturable: launch sizes come from tensor
-shapes and meta.max_seq_len only (under graphs pass max_model_len as max_seq_len), real
-lengths are read from meta.seq_lens on the device.
+decode kernel too, and the rest to the mixed kernel. Both are CUDA-graph capturable: launch
+sizes come from tensor shapes and meta.max_seq_len only (under graphs pass max_model_len as
+max_seq_len), real lengths are read from meta.seq_lens on the device.
+
+Decode-only steps whose sequences all begin with the same blocks take the cascade kernels
+when the runner sets meta.shared_prefix_blocks: the shared prefix is read once per tile of
+queries instead of once per sequence. That path is eager only (its split counts follow the
+batch and its workspace may grow).
 """
 
 import torch
@@ -20,7 +25,10 @@ from minivllm.kernels.paged_attention import (
     DECODE_MAX_SPLITS,
     decode_num_splits,
     paged_attention_decode,
+    paged_attention_decode_shared_prefix,
     paged_attention_mixed,
+    shared_prefix_config,
+    shared_prefix_num_splits,
 )
 
 
@@ -86,6 +94,8 @@ class TritonAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         if meta.is_decode_only:
+            if meta.shared_prefix_blocks is not None:
+                return self._decode_shared_prefix(q, k_cache, v_cache, meta, scale)
             return self._decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables,
                                 meta.max_seq_len, scale)
         # Mixed step. Sequences with one new token at the front of the batch (the running
@@ -118,6 +128,28 @@ class TritonAttentionBackend:
         return paged_attention_decode(
             q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits,
             out=out, part_out=part_out, part_lse=part_lse)
+
+    def _decode_shared_prefix(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        """Cascade decode: the shared prefix once per tile of queries, then each sequence's
+        own keys, merged. Eager only (the workspace may grow; split counts follow the batch)."""
+        num_seqs, num_q_heads, head_dim = q.shape
+        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        prefix_len = meta.shared_prefix_blocks.shape[0] * block_size
+        num_sms = self._sm_count(q.device)
+        num_rows = num_seqs * (num_q_heads // num_kv_heads)  # (sequence, head) rows per KV head
+        prefix_cfg = shared_prefix_config(head_dim, q.dtype, num_rows)
+        num_row_tiles = triton.cdiv(num_rows, prefix_cfg["BLOCK_M"])
+        prefix_splits = shared_prefix_num_splits(num_row_tiles, num_kv_heads, prefix_len, num_sms,
+                                                 self.max_splits)
+        # The suffix kernel sees only the sequences' own keys: split by their longest length.
+        suffix_splits = decode_num_splits(num_seqs, num_kv_heads, meta.max_seq_len - prefix_len,
+                                          num_sms, self.max_splits)
+        part_out, part_lse = self._workspace(
+            num_seqs * num_q_heads * (prefix_splits + suffix_splits), head_dim, q.device)
+        return paged_attention_decode_shared_prefix(
+            q, k_cache, v_cache, meta.seq_lens, meta.block_tables, meta.shared_prefix_blocks, scale,
+            prefix_splits=prefix_splits, suffix_splits=suffix_splits,
+            part_out=part_out, part_lse=part_lse, prefix_config=prefix_cfg)
 
     # -- helpers -------------------------------------------------------------------------
     def _sm_count(self, device: torch.device) -> int:

@@ -15,6 +15,12 @@ softmax update, weighted sum of values, all accumulated in fp32):
   The query heads of a GQA group form the rows of one tile (padded to 16, the smallest
   tl.dot M) so the scores and the value sum run on tensor cores and K/V are read once.
 
+* `paged_attention_decode_shared_prefix` - cascade decode, for batches whose sequences all
+  begin with the same blocks (prefix caching): the same split kernel, launched once over
+  the shared prefix with tiles of BLOCK_M rows drawn from every sequence (each prefix K/V
+  tile is read once per row tile, not once per sequence), once over each sequence's own
+  keys, then the same reduce merges both launches' partial results.
+
 Layout (see minivllm/attention/metadata.py): k_cache, v_cache are
 [num_blocks, block_size, num_kv_heads, head_dim]; token t of sequence b lives in block
 block_tables[b, t // block_size] at offset t % block_size. K/V tiles are gathered token by
@@ -194,15 +200,18 @@ def _mixed_attention_kernel(
 
 
 # ----------------------------------------------------------------------------------------
-# Decode: split-KV (flash-decoding) + reduce
+# Decode: split-KV (flash-decoding) + reduce, and cascade (shared-prefix) decode
 # ----------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_prefix_blocks"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr,
-    out_ptr,  # [B, Hq, D], written directly when NUM_SPLITS == 1
-    part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32: each split's normalised output
-    part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32: each split's log2-sum-exp2 of scores
+    out_ptr,  # [B, Hq, D], written directly when NUM_PARTS == 1
+    part_out_ptr,  # [B, Hq, NUM_PARTS, D] fp32: each part's normalised output
+    part_lse_ptr,  # [B, Hq, NUM_PARTS] fp32: each part's log2-sum-exp2 of scores
     seq_lens_ptr, block_tables_ptr,
+    prefix_ids_ptr,  # [num_prefix_blocks] int32, the shared prefix's blocks (SHARED_PREFIX)
+    num_seqs,
+    num_prefix_blocks,  # keys before num_prefix_blocks * BLOCK_SIZE are not this launch's
     scale_log2,
     num_q_heads,
     stride_qn, stride_qh,
@@ -210,48 +219,67 @@ def _decode_split_kernel(
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     GQA: tl.constexpr,
-    BLOCK_H: tl.constexpr,  # rows of the query tile: GQA padded to a power of two >= 16
+    BLOCK_M: tl.constexpr,  # query rows per program (a power of two >= 16, the tl.dot M)
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,  # programs along the keys of one context
+    PART_OFFSET: tl.constexpr,  # this launch's splits are workspace parts PART_OFFSET..
+    NUM_PARTS: tl.constexpr,  # parts per (sequence, head) row that the reduce merges
+    SHARED_PREFIX: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    # Three uses of one kernel (they differ only in which query rows and keys a program has):
+    # * plain decode (num_prefix_blocks == 0): rows = the GQA group of sequence program_id(0)
+    #   (padded to BLOCK_M), keys = its whole context;
+    # * suffix of a cascade: the same rows, keys num_prefix_blocks * BLOCK_SIZE .. seq_len;
+    # * SHARED_PREFIX: rows = tile program_id(0) of all B * GQA (sequence, head) pairs of
+    #   this KV head, keys = the shared prefix, read once for the whole tile instead of once
+    #   per sequence; a full tile of rows keeps the tensor cores busy.
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    # This sequence's context is shared evenly across the splits in whole BLOCK_N tiles
-    # (so only its very last tile needs masks). Real lengths come from the device, the
-    # split count from the launch: short sequences leave their last splits empty.
+    if SHARED_PREFIX:
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_valid = rows < num_seqs * GQA
+        seq = rows // GQA  # [BLOCK_M]: a sequence per row
+        head = kv_head * GQA + rows % GQA
+        block_table_ptr = prefix_ids_ptr
+        kv_len = num_prefix_blocks * BLOCK_SIZE
+    else:
+        rows = tl.arange(0, BLOCK_M)
+        row_valid = rows < GQA
+        seq = tl.program_id(0)  # one sequence for the whole tile
+        head = kv_head * GQA + rows
+        # Keys are counted from the first unskipped block: key t is token
+        # num_prefix_blocks * BLOCK_SIZE + t, at entry num_prefix_blocks + t // BLOCK_SIZE.
+        block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt + num_prefix_blocks
+        kv_len = tl.maximum(tl.load(seq_lens_ptr + seq) - num_prefix_blocks * BLOCK_SIZE, 0)
+    # The context is shared evenly across the splits in whole BLOCK_N tiles (so only its
+    # very last tile needs masks). Real lengths come from the device, the split count from
+    # the launch: short contexts leave their last splits empty.
     # (Ceiling divisions are spelled out: tl.cdiv is a jitted call, slow in the interpreter.)
-    tiles_per_split = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N
+    tiles_per_split = ((kv_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N
     split_len = tiles_per_split * BLOCK_N
-    kv_start = split * split_len
-    num_keys = tl.maximum(tl.minimum(seq_len - kv_start, split_len), 0)
+    num_keys = tl.maximum(tl.minimum(kv_len - split * split_len, split_len), 0)
 
-    rows = tl.arange(0, BLOCK_H)
-    head = kv_head * GQA + rows
-    row_valid = rows < GQA
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_valid[:, None], other=0.0)
+    q_offs = seq.to(tl.int64) * stride_qn + head * stride_qh  # [BLOCK_M]
+    q = tl.load(q_ptr + q_offs[:, None] + offs_d[None, :], mask=row_valid[:, None], other=0.0)
 
-    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_head_off = kv_head * stride_ch
-    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     first_tile = split * tiles_per_split
     num_full = num_keys // BLOCK_N
     # q_pos is unused without CAUSAL (m_i stands in for it).
     acc, l_i, m_i = _attend_kv_tiles(
         acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head_off,
-        first_tile, first_tile + num_full, seq_len, m_i, scale_log2, stride_cb, stride_cs,
+        first_tile, first_tile + num_full, kv_len, m_i, scale_log2, stride_cb, stride_cs,
         BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, False, DOT_PRECISION)
     acc, l_i, m_i = _attend_kv_tiles(  # at most one ragged tile, at the end of the context
         acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head_off,
-        first_tile + num_full, first_tile + (num_keys + BLOCK_N - 1) // BLOCK_N, seq_len, m_i,
+        first_tile + num_full, first_tile + (num_keys + BLOCK_N - 1) // BLOCK_N, kv_len, m_i,
         scale_log2, stride_cb, stride_cs,
         BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, False, DOT_PRECISION)
 
@@ -259,11 +287,12 @@ def _decode_split_kernel(
     # and lse = -inf so the reduce gives it no weight.
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + seq.to(tl.int64) * stride_on + head[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    if NUM_PARTS == 1:
+        o_offs = seq.to(tl.int64) * stride_on + head * stride_oh
+        tl.store(out_ptr + o_offs[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_valid[:, None])
     else:
-        part = (seq * num_q_heads + head) * NUM_SPLITS + split  # [BLOCK_H] row of the workspace
+        part = (seq * num_q_heads + head) * NUM_PARTS + PART_OFFSET + split  # [BLOCK_M] rows
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out,
                  mask=row_valid[:, None])
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
@@ -276,11 +305,11 @@ def _decode_reduce_kernel(
     num_q_heads,
     stride_on, stride_oh,
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,  # parts per (sequence, head): splits, or prefix + suffix splits
     SPLITS_PAD: tl.constexpr,
 ):
     # One program per (sequence, query head): out = sum_s w_s * o_s / sum_s w_s with
-    # w_s = 2 ** (lse_s - max lse): the splits' softmaxes rescaled to a common maximum.
+    # w_s = 2 ** (lse_s - max lse): the parts' softmaxes rescaled to a common maximum.
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -442,8 +471,16 @@ def decode_num_splits(
     integers (the batch shape, max_seq_len, the GPU), never on device data, so a captured
     graph keeps a valid launch. Enough programs to fill the GPU, but no split shorter than
     DECODE_MIN_TOKENS_PER_SPLIT tokens of max_seq_len."""
-    want = triton.cdiv(DECODE_PROGRAMS_PER_SM * num_sms, max(1, num_seqs * num_kv_heads))
-    by_len = triton.cdiv(max(1, max_seq_len), DECODE_MIN_TOKENS_PER_SPLIT)
+    return _split_count(DECODE_PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads, max_seq_len,
+                        DECODE_MIN_TOKENS_PER_SPLIT, max_splits)
+
+
+def _split_count(target_programs: int, programs_per_split: int, context_len: int,
+                 min_tokens_per_split: int, max_splits: int) -> int:
+    """Splits of a context that bring the launch to target_programs programs (each split
+    adds programs_per_split), but none shorter than min_tokens_per_split; 1..max_splits."""
+    want = triton.cdiv(target_programs, max(1, programs_per_split))
+    by_len = triton.cdiv(max(1, context_len), min_tokens_per_split)
     return max(1, min(want, by_len, max_splits))
 
 
@@ -469,32 +506,73 @@ def paged_attention_decode(
     B * Hq * num_splits elements (allocated here if None; pass preallocated buffers under
     CUDA graphs). Unused when num_splits == 1.
     """
-    num_q_heads, num_kv_heads, head_dim, block_size = _check_inputs(q, k_cache, v_cache, block_tables)
-    num_seqs = seq_lens.shape[0]
-    assert q.shape[0] == num_seqs, (
-        f"decode expects one query row per sequence: q has {q.shape[0]} rows, {num_seqs} sequences")
+    num_seqs, num_q_heads, head_dim = _check_decode_inputs(q, k_cache, v_cache, seq_lens, block_tables)
     assert num_splits >= 1
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_seqs == 0:
         return out
-    gqa = num_q_heads // num_kv_heads
     cfg = decode_config(head_dim, q.dtype) if config is None else config
-    rows = num_seqs * num_q_heads * num_splits
     if num_splits > 1:
-        if part_out is None:
-            part_out = torch.empty(rows * head_dim, dtype=torch.float32, device=q.device)
-        if part_lse is None:
-            part_lse = torch.empty(rows, dtype=torch.float32, device=q.device)
-        assert part_out.dtype == part_lse.dtype == torch.float32, "workspace must be fp32"
-        assert part_out.numel() >= rows * head_dim and part_lse.numel() >= rows, (
-            f"decode workspace too small for {num_seqs} seqs x {num_q_heads} heads x "
-            f"{num_splits} splits x {head_dim}")
+        part_out, part_lse = _decode_workspace(part_out, part_lse, num_seqs * num_q_heads * num_splits, q)
     else:
-        part_out = part_lse = out  # not touched by the kernel when NUM_SPLITS == 1
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        part_out = part_lse = out  # not touched by the kernel when NUM_PARTS == 1
+    _launch_decode_split(q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables,
+                         None, 0, scale, num_splits, 0, num_splits, cfg)
+    if num_splits > 1:
+        _launch_decode_reduce(part_out, part_lse, out, num_splits)
+    return out
+
+
+def _check_decode_inputs(q, k_cache, v_cache, seq_lens, block_tables) -> tuple[int, int, int]:
+    """_check_inputs, plus one query row per sequence. Returns (B, Hq, D)."""
+    num_q_heads, _, head_dim, _ = _check_inputs(q, k_cache, v_cache, block_tables)
+    num_seqs = seq_lens.shape[0]
+    assert q.shape[0] == num_seqs, (
+        f"decode expects one query row per sequence: q has {q.shape[0]} rows, {num_seqs} sequences")
+    return num_seqs, num_q_heads, head_dim
+
+
+def _decode_workspace(part_out, part_lse, rows: int, q: torch.Tensor):
+    """The split-KV fp32 workspace ([rows, D] outputs, [rows] LSEs), allocated if not given."""
+    head_dim = q.shape[-1]
+    if part_out is None:
+        part_out = torch.empty(rows * head_dim, dtype=torch.float32, device=q.device)
+    if part_lse is None:
+        part_lse = torch.empty(rows, dtype=torch.float32, device=q.device)
+    assert part_out.dtype == part_lse.dtype == torch.float32, "workspace must be fp32"
+    assert part_out.numel() >= rows * head_dim and part_lse.numel() >= rows, (
+        f"decode workspace too small: {rows} (sequence, head, part) rows x {head_dim} needed")
+    return part_out, part_lse
+
+
+def _launch_decode_split(
+    q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables,
+    prefix_block_ids: torch.Tensor | None,  # given: the SHARED_PREFIX launch over these blocks
+    num_prefix_blocks: int,  # keys of the first num_prefix_blocks blocks are skipped (suffix)
+    scale: float,
+    num_splits: int,
+    part_offset: int,
+    num_parts: int,
+    cfg: dict,
+) -> None:
+    """One launch of _decode_split_kernel (plain decode, cascade prefix or cascade suffix)."""
+    num_seqs, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    gqa = num_q_heads // num_kv_heads
+    shared = prefix_block_ids is not None
+    if shared:  # tiles of BLOCK_M (sequence, head) rows over all sequences
+        block_m = cfg["BLOCK_M"]
+        num_row_tiles = triton.cdiv(num_seqs * gqa, block_m)
+    else:  # one sequence's GQA group per program, padded to the smallest tl.dot M
+        block_m = max(16, triton.next_power_of_2(gqa))
+        num_row_tiles = num_seqs
+    _decode_split_kernel[(num_row_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_lse,
         seq_lens, block_tables,
+        prefix_block_ids if shared else block_tables,  # (a placeholder pointer when unused)
+        num_seqs,
+        num_prefix_blocks,
         scale * LOG2E,
         num_q_heads,
         q.stride(0), q.stride(1),
@@ -502,23 +580,122 @@ def paged_attention_decode(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         GQA=gqa,
-        BLOCK_H=max(16, triton.next_power_of_2(gqa)),
+        BLOCK_M=block_m,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_N=cfg["BLOCK_N"],
         NUM_SPLITS=num_splits,
+        PART_OFFSET=part_offset,
+        NUM_PARTS=num_parts,
+        SHARED_PREFIX=shared,
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    if num_splits > 1:
-        _decode_reduce_kernel[(num_seqs, num_q_heads)](
-            part_out, part_lse, out,
-            num_q_heads,
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim,
-            NUM_SPLITS=num_splits,
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-            num_warps=4,
-        )
+
+
+def _launch_decode_reduce(part_out, part_lse, out, num_parts: int) -> None:
+    num_seqs, num_q_heads, head_dim = out.shape
+    _decode_reduce_kernel[(num_seqs, num_q_heads)](
+        part_out, part_lse, out,
+        num_q_heads,
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim,
+        NUM_SPLITS=num_parts,
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_parts)),
+        num_warps=4,
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Cascade decode: a prefix shared by the whole batch is read once per tile of queries
+# ----------------------------------------------------------------------------------------
+# Untuned starting points (no GPU measurement yet; benchmarks/cascade_attention.py sweeps).
+# The prefix launch is compute-shaped (BLOCK_M x BLOCK_N tiles on tensor cores, K/V mostly
+# from L2), so aim for about one wave of programs: more splits only add workspace traffic.
+PREFIX_PROGRAMS_PER_SM = 1
+PREFIX_MIN_TOKENS_PER_SPLIT = 256
+
+
+def shared_prefix_config(head_dim: int, dtype: torch.dtype, num_rows: int) -> dict:
+    """Tiles for the shared-prefix launch: the mixed kernel's (the same many-rows x keys
+    work), with BLOCK_M cut down to the rows there are (num_rows = B * GQA per KV head)."""
+    cfg = mixed_config(head_dim, dtype, 1)  # GQA 1: BLOCK_Q is then the whole row tile
+    block_m = min(cfg["BLOCK_Q"], max(16, triton.next_power_of_2(num_rows)))
+    return {"BLOCK_M": block_m, "BLOCK_N": cfg["BLOCK_N"], "num_warps": cfg["num_warps"],
+            "num_stages": cfg["num_stages"]}
+
+
+def shared_prefix_num_splits(
+    num_row_tiles: int,
+    num_kv_heads: int,
+    prefix_len: int,
+    num_sms: int,
+    max_splits: int = DECODE_MAX_SPLITS,
+) -> int:
+    """Programs along the shared prefix per (row tile, KV head): about one wave in all,
+    no split shorter than PREFIX_MIN_TOKENS_PER_SPLIT tokens."""
+    return _split_count(PREFIX_PROGRAMS_PER_SM * num_sms, num_row_tiles * num_kv_heads, prefix_len,
+                        PREFIX_MIN_TOKENS_PER_SPLIT, max_splits)
+
+
+def paged_attention_decode_shared_prefix(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    prefix_block_ids: torch.Tensor,
+    scale: float,
+    prefix_splits: int = 1,
+    suffix_splits: int = 1,
+    out: torch.Tensor | None = None,
+    part_out: torch.Tensor | None = None,
+    part_lse: torch.Tensor | None = None,
+    prefix_config: dict | None = None,
+    suffix_config: dict | None = None,
+) -> torch.Tensor:
+    """Decode attention (as paged_attention_decode) for a batch whose sequences all start
+    with the same blocks: block_tables[b, :P] == prefix_block_ids [P] int32 for every b, and
+    seq_lens[b] >= P * block_size + 1 (at least one own token: the new one).
+
+    Cascade: (1) the shared prefix, for all B * GQA query rows of a KV head at once in
+    tiles of BLOCK_M rows, so each prefix K/V tile is read once per row tile instead of
+    once per sequence; prefix_splits programs along the prefix; (2) each sequence's own
+    keys [P * block_size, seq_len) through the split-KV kernel, suffix_splits programs
+    each; (3) the reduce kernel merges all prefix_splits + suffix_splits partial results
+    of a (sequence, head) by their log-sum-exps into out (q's dtype).
+
+    part_out / part_lse: fp32 workspace of at least B * Hq * (prefix_splits + suffix_splits)
+    * D and B * Hq * (prefix_splits + suffix_splits) elements (allocated if None).
+    prefix_config overrides shared_prefix_config(), suffix_config decode_config().
+    No host synchronisation: lengths are read on the device, P from the tensor's shape.
+    """
+    num_seqs, num_q_heads, head_dim = _check_decode_inputs(q, k_cache, v_cache, seq_lens, block_tables)
+    assert prefix_block_ids.dim() == 1 and prefix_block_ids.dtype == torch.int32, (
+        "prefix_block_ids must be a 1-D int32 tensor of block ids")
+    assert prefix_splits >= 1 and suffix_splits >= 1
+    num_prefix_blocks = prefix_block_ids.shape[0]
+    if num_prefix_blocks == 0:  # nothing shared: the plain kernel
+        return paged_attention_decode(q, k_cache, v_cache, seq_lens, block_tables, scale,
+                                      suffix_splits, out, part_out, part_lse, suffix_config)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_seqs == 0:
+        return out
+    gqa = num_q_heads // k_cache.shape[2]
+    if prefix_config is None:
+        prefix_config = shared_prefix_config(head_dim, q.dtype, num_seqs * gqa)
+    if suffix_config is None:
+        suffix_config = decode_config(head_dim, q.dtype)
+    # Workspace parts per (sequence, head): the prefix splits first, then the suffix's.
+    num_parts = prefix_splits + suffix_splits
+    part_out, part_lse = _decode_workspace(part_out, part_lse, num_seqs * num_q_heads * num_parts, q)
+    _launch_decode_split(q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables,
+                         prefix_block_ids, num_prefix_blocks, scale, prefix_splits, 0, num_parts,
+                         prefix_config)
+    _launch_decode_split(q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables,
+                         None, num_prefix_blocks, scale, suffix_splits, prefix_splits, num_parts,
+                         suffix_config)
+    _launch_decode_reduce(part_out, part_lse, out, num_parts)
     return out

@@ -1,0 +1,127 @@
+"""Cascade (shared-prefix) decode attention against the plain split-KV decode kernel (GPU only).
+
+    python benchmarks/cascade_attention.py            # the backend's heuristic split counts
+    python benchmarks/cascade_attention.py --sweep    # also other prefix tiles / split counts
+
+W3's decode step (BENCH.md), one layer: Qwen3-0.6B heads (16 query, 8 KV, head_dim 128,
+bf16, block size 16), 256 sequences whose block tables all start with the same 128 blocks
+(a 2,048-token prefix) followed by 64..192 own tokens each, pages shuffled.
+
+Reported: median time (triton.testing.do_bench, eager: the cascade path is not graphed),
+and bytes / time for both. Bytes are what each kernel must move from HBM: the plain kernel
+reads every sequence's whole context (the prefix 256 times); the cascade reads the prefix
+once (its other row tiles hit L2), the suffixes once, and writes + reads its fp32 partials.
+"""
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, uninstalled
+from benchmarks.attention_kernels import BLOCK, DTYPE, HKV, HQ, PEAK_BW, D  # noqa: E402
+from minivllm.kernels import paged_attention as pa  # noqa: E402
+
+NUM_SEQS = 256
+PREFIX_LEN = 2048
+
+
+def build_w3(seed: int = 0):
+    """Cache, block tables (shared prefix first), seq_lens and the prefix's block ids."""
+    gen = random.Random(seed)
+    suffix = [gen.randint(64, 192) for _ in range(NUM_SEQS)]
+    num_prefix_blocks = PREFIX_LEN // BLOCK
+    own = [triton.cdiv(PREFIX_LEN + s, BLOCK) - num_prefix_blocks for s in suffix]
+    num_blocks = num_prefix_blocks + sum(own)
+    perm = list(range(num_blocks))
+    gen.shuffle(perm)
+    prefix, rest = perm[:num_prefix_blocks], perm[num_prefix_blocks:]
+    table = torch.zeros(NUM_SEQS, num_prefix_blocks + max(own), dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(own):
+        table[b, :num_prefix_blocks + n] = torch.tensor(prefix + rest[i:i + n])
+        i += n
+    k_cache = torch.randn(num_blocks, BLOCK, HKV, D, dtype=DTYPE, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    seq_lens = [PREFIX_LEN + s for s in suffix]
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    prefix_ids = torch.tensor(prefix, dtype=torch.int32, device="cuda")
+    return k_cache, v_cache, lens, table.cuda(), prefix_ids, seq_lens
+
+
+def median_s(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true", help="also time other prefix tiles and split counts")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    k_cache, v_cache, lens, table, prefix_ids, seq_lens = build_w3()
+    q = torch.randn(NUM_SEQS, HQ, D, dtype=DTYPE, device="cuda")
+    scale = D ** -0.5
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    token_bytes = HKV * D * 2 * k_cache.element_size()  # K and V of one token, all KV heads
+    suffix_tokens = sum(seq_lens) - NUM_SEQS * PREFIX_LEN
+    print(f"\n== W3 decode step, one layer: {NUM_SEQS} seqs, {PREFIX_LEN} shared + "
+          f"{suffix_tokens / NUM_SEQS:.0f} own tokens (mean); Hq {HQ}, Hkv {HKV}, D {D}, {DTYPE}")
+
+    # Plain split-KV decode: every sequence reads its whole context.
+    splits = pa.decode_num_splits(NUM_SEQS, HKV, max(seq_lens), sms)
+    plain_out = torch.empty_like(q)
+    plain = lambda: pa.paged_attention_decode(  # noqa: E731
+        q, k_cache, v_cache, lens, table, scale, splits, out=plain_out)
+    plain()
+    plain_bytes = sum(seq_lens) * token_bytes
+    t = median_s(plain)
+    print(f"   plain   (splits {splits}): {t * 1e6:8.1f} us, {plain_bytes / 1e6:7.1f} MB -> "
+          f"{plain_bytes / t / 1e12:5.2f} TB/s ({100 * plain_bytes / t / PEAK_BW:5.1f}% of 4.24)",
+          flush=True)
+
+    # Cascade: split counts as TritonAttentionBackend picks them, then the sweep's.
+    rows = NUM_SEQS * (HQ // HKV)
+    default_cfg = pa.shared_prefix_config(D, DTYPE, rows)
+    suffix_splits = pa.decode_num_splits(NUM_SEQS, HKV, max(seq_lens) - PREFIX_LEN, sms)
+    prefix_splits = pa.shared_prefix_num_splits(
+        triton.cdiv(rows, default_cfg["BLOCK_M"]), HKV, PREFIX_LEN, sms)
+    variants = [(default_cfg, prefix_splits, suffix_splits, "default")]
+    if args.sweep:
+        for bm, bn, w, s in [(128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
+                             (64, 128, 8, 2), (256, 64, 8, 2)]:
+            for ps in [1, 2, 4, 8, 16]:
+                cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
+                variants.append((cfg, ps, suffix_splits, ""))
+    max_parts = max(ps + ss for _, ps, ss, _ in variants)
+    part_out = torch.empty(NUM_SEQS * HQ * max_parts * D, dtype=torch.float32, device="cuda")
+    part_lse = torch.empty(NUM_SEQS * HQ * max_parts, dtype=torch.float32, device="cuda")
+    for cfg, ps, ss, tag in variants:
+        out = torch.empty_like(q)
+        def fn(cfg=cfg, ps=ps, ss=ss, out=out):  # bound now: do_bench calls it in this iteration
+            pa.paged_attention_decode_shared_prefix(
+                q, k_cache, v_cache, lens, table, prefix_ids, scale, prefix_splits=ps,
+                suffix_splits=ss, out=out, part_out=part_out, part_lse=part_lse, prefix_config=cfg)
+        try:
+            fn()
+        except triton.runtime.errors.OutOfResources as e:  # e.g. too much shared memory
+            print(f"   cascade {cfg}: skipped ({e})")
+            continue
+        diff = (out.float() - plain_out.float()).abs().max().item()
+        assert diff < 3e-2, f"cascade disagrees with plain decode (max |diff| {diff})"
+        # fp32 partials: each part written once and read once by the reduce.
+        partial_bytes = 2 * NUM_SEQS * HQ * (ps + ss) * (D + 1) * 4
+        cascade_bytes = (PREFIX_LEN + suffix_tokens) * token_bytes + partial_bytes
+        t = median_s(fn)
+        print(f"   cascade BLOCK_M {cfg['BLOCK_M']:3d} BLOCK_N {cfg['BLOCK_N']:3d} warps "
+              f"{cfg['num_warps']} stages {cfg['num_stages']} splits {ps:2d}+{ss}: {t * 1e6:8.1f} us, "
+              f"{cascade_bytes / 1e6:6.1f} MB -> {cascade_bytes / t / 1e12:5.2f} TB/s "
+              f"(max |diff| vs plain {diff:.3g}) {tag}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

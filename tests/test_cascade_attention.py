@@ -1,0 +1,195 @@
+"""Cascade (shared-prefix) decode attention against a naive float64 reference.
+
+Every sequence's block table starts with the same blocks (the shared prefix); the cascade
+reads them once per tile of queries, then each sequence's own keys, and merges the two.
+Without CUDA the kernels run in Triton's interpreter (small shapes, fp32/fp16); the
+`gpu`-marked tests use W3's shapes (256 sequences over a 2,048-token prefix, bf16).
+"""
+
+import os
+import random
+
+import pytest
+import torch
+import triton
+
+import minivllm.kernels.paged_attention as pa
+from minivllm.attention.metadata import AttentionMetadata
+from minivllm.attention.triton_backend import TritonAttentionBackend
+
+# tests/conftest.py sets TRITON_INTERPRET=1 when there is no CUDA.
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# (atol, rtol): inputs rounded to the dtype, fp32 accumulation, probabilities rounded to
+# the dtype before P @ V (as in the plain decode kernel's tests).
+TOL = {torch.float32: (2e-4, 2e-4), torch.float16: (4e-3, 1e-2), torch.bfloat16: (3e-2, 3e-2)}
+
+
+class CascadeBatch:
+    """A decode batch over a shuffled page pool: `num_prefix_blocks` shared pages first in
+    every block table, then each sequence's own pages (suffix_lens[b] tokens)."""
+
+    def __init__(self, suffix_lens: list[int], num_prefix_blocks: int, block_size: int,
+                 num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 seed: int = 0) -> None:
+        gen = random.Random(seed)
+        prefix_len = num_prefix_blocks * block_size
+        self.seq_lens_cpu = [prefix_len + s for s in suffix_lens]
+        own = [triton.cdiv(s, block_size) for s in self.seq_lens_cpu]
+        own = [n - num_prefix_blocks for n in own]
+        num_blocks = num_prefix_blocks + sum(own) + 3  # a few never-used pages
+        pool = list(range(num_blocks))
+        gen.shuffle(pool)
+        prefix = [pool.pop() for _ in range(num_prefix_blocks)]
+        width = num_prefix_blocks + max(own) + 2  # trailing entries stay 0
+        table = torch.zeros(len(suffix_lens), width, dtype=torch.int32)
+        for b, n in enumerate(own):
+            table[b, :num_prefix_blocks + n] = torch.tensor(prefix + [pool.pop() for _ in range(n)])
+        g = torch.Generator().manual_seed(seed + 1)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.randn(shape, generator=g).to(dtype).to(DEVICE)
+        self.v_cache = torch.randn(shape, generator=g).to(dtype).to(DEVICE)
+        self.q = torch.randn(len(suffix_lens), num_q_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+        self.block_tables = table.to(DEVICE)
+        self.prefix_block_ids = torch.tensor(prefix, dtype=torch.int32, device=DEVICE)
+        self.seq_lens = torch.tensor(self.seq_lens_cpu, dtype=torch.int32, device=DEVICE)
+        self.scale = head_dim ** -0.5
+        self.dtype = dtype
+
+    def meta(self) -> AttentionMetadata:
+        """The decode-only step's metadata, with the shared prefix set for the cascade."""
+        num_seqs = len(self.seq_lens_cpu)
+        return AttentionMetadata(
+            query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=DEVICE),
+            seq_lens=self.seq_lens, block_tables=self.block_tables,
+            slot_mapping=torch.full((num_seqs,), -1, dtype=torch.int64, device=DEVICE),
+            max_query_len=1, max_seq_len=max(self.seq_lens_cpu),
+            shared_prefix_blocks=self.prefix_block_ids)
+
+    def cascade(self, **kwargs) -> torch.Tensor:
+        return pa.paged_attention_decode_shared_prefix(
+            self.q, self.k_cache, self.v_cache, self.seq_lens, self.block_tables,
+            self.prefix_block_ids, self.scale, **kwargs)
+
+    def plain(self, num_splits: int = 1) -> torch.Tensor:
+        return pa.paged_attention_decode(self.q, self.k_cache, self.v_cache, self.seq_lens,
+                                         self.block_tables, self.scale, num_splits)
+
+    def reference(self) -> torch.Tensor:
+        """Per sequence: gather its pages, softmax over all its keys, in float64."""
+        block_size, num_kv_heads, head_dim = self.k_cache.shape[1:]
+        gqa = self.q.shape[1] // num_kv_heads
+        out = torch.empty(self.q.shape, dtype=torch.float64, device=DEVICE)
+        for b, seq_len in enumerate(self.seq_lens_cpu):
+            pages = self.block_tables[b, :triton.cdiv(seq_len, block_size)].long()
+            k = self.k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len].double()
+            v = self.v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len].double()
+            scores = torch.einsum("hd,khd->hk", self.q[b].double(), k.repeat_interleave(gqa, 1))
+            probs = (scores * self.scale).softmax(-1)
+            out[b] = torch.einsum("hk,khd->hd", probs, v.repeat_interleave(gqa, 1))
+        return out
+
+    def check(self, out: torch.Tensor) -> None:
+        atol, rtol = TOL[self.dtype]
+        assert out.dtype == self.dtype and not torch.isnan(out).any()
+        torch.testing.assert_close(out.double(), self.reference(), atol=atol, rtol=rtol)
+
+
+# Head layouts, each with one dtype (interpreter time is scarce); all GQA 1/2/4/8, head_dim
+# 64/128, block sizes 8/16 and both dtypes are covered.
+LAYOUTS = {  # name: (block_size, num_q_heads, num_kv_heads, head_dim, dtype)
+    "gqa1-d64-bs8-fp32": (8, 2, 2, 64, torch.float32),
+    "gqa2-d128-bs16-fp16": (16, 4, 2, 128, torch.float16),
+    "gqa4-d64-bs16-fp16": (16, 8, 2, 64, torch.float16),
+    "gqa8-d128-bs8-fp32": (8, 8, 1, 128, torch.float32),
+}
+CASES = {  # name: (suffix_lens, num_prefix_blocks, prefix_splits, suffix_splits)
+    # One prefix block, every sequence with only its new token (suffix of exactly 1).
+    "one_block_suffix1": ([1, 1, 1], 1, 1, 1),
+    # Several blocks, ragged suffixes (1, within one page, across pages), split both ways
+    # (more prefix splits than tiles: some splits are empty).
+    "ragged_split": ([1, 17, 40, 3, 70], 5, 3, 2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_cascade_matches_reference(case, layout):
+    suffix_lens, prefix_blocks, prefix_splits, suffix_splits = CASES[case]
+    batch = CascadeBatch(suffix_lens, prefix_blocks, *LAYOUTS[layout])
+    batch.check(batch.cascade(prefix_splits=prefix_splits, suffix_splits=suffix_splits))
+
+
+def test_cascade_small_row_tiles():
+    """BLOCK_M 16 over 6 sequences x GQA 4 = 24 rows: two row tiles, the second partly
+    padding; BLOCK_N 16 over a 40-token prefix: a ragged last prefix tile."""
+    batch = CascadeBatch([1, 9, 2, 30, 8, 1], 5, 8, 8, 2, 64, torch.float32, seed=3)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+    batch.check(batch.cascade(prefix_splits=2, prefix_config=cfg))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cascade_equals_plain_decode(dtype):
+    """Same batch through the plain split-KV kernel and through the cascade: the same
+    attention, summed in another order, so equal to fp32 rounding."""
+    batch = CascadeBatch([1, 33, 12, 64], 4, 16, 4, 2, 64, dtype, seed=5)
+    plain = batch.plain(num_splits=2)
+    cascade = batch.cascade(prefix_splits=2, suffix_splits=1)
+    atol = 1e-5 if dtype == torch.float32 else 2e-3  # fp16: one output rounding apart
+    torch.testing.assert_close(cascade.float(), plain.float(), atol=atol, rtol=1e-3)
+
+
+def test_empty_prefix_is_plain_decode():
+    batch = CascadeBatch([5, 20], 0, 8, 2, 1, 64, torch.float32)
+    assert torch.equal(batch.cascade(suffix_splits=2), batch.plain(num_splits=2))
+
+
+def test_backend_takes_cascade_path(monkeypatch):
+    """attend() sends a decode-only step with meta.shared_prefix_blocks to the cascade
+    (and without it, to the plain kernel)."""
+    batch = CascadeBatch([1, 30, 7, 50], 3, 16, 4, 2, 64, torch.float16, seed=7)
+    meta = batch.meta()
+    calls = []
+    real = pa.paged_attention_decode_shared_prefix
+    monkeypatch.setattr("minivllm.attention.triton_backend.paged_attention_decode_shared_prefix",
+                        lambda *a, **k: calls.append(k) or real(*a, **k))
+    backend = TritonAttentionBackend()
+    batch.check(backend.attend(batch.q, batch.k_cache, batch.v_cache, meta, batch.scale))
+    assert len(calls) == 1
+    meta.shared_prefix_blocks = None
+    batch.check(backend.attend(batch.q, batch.k_cache, batch.v_cache, meta, batch.scale))
+    assert len(calls) == 1
+
+
+# ----------------------------------------------------------------------------------------
+# GPU: W3's shapes, compiled kernels (pytest -m gpu)
+# ----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_cascade_w3(dtype):
+    """256 sequences, a 2,048-token shared prefix plus 64..192 own tokens, Qwen3-0.6B heads,
+    through the backend (heuristic split counts) and against the plain decode kernel."""
+    gen = random.Random(11)
+    suffix = [gen.randint(64, 192) for _ in range(255)] + [1]
+    batch = CascadeBatch(suffix, 2048 // 16, 16, 16, 8, 128, dtype, seed=11)
+    out = TritonAttentionBackend(16, 8, 128, max_num_seqs=256).attend(
+        batch.q, batch.k_cache, batch.v_cache, batch.meta(), batch.scale)
+    batch.check(out)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.float(), batch.plain().float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("gqa", [1, 2, 4, 8])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 32), (128, 16), (256, 16), (128, 8)])
+def test_gpu_cascade_layouts(gqa, head_dim, block_size):
+    """bf16, every GQA ratio and head size, several splits both ways."""
+    gen = random.Random(gqa * head_dim + block_size)
+    suffix = [gen.randint(1, 300) for _ in range(37)]
+    batch = CascadeBatch(suffix, 1024 // block_size, block_size, 4 * gqa, 4, head_dim,
+                         torch.bfloat16, seed=gqa)
+    for prefix_splits, suffix_splits in [(1, 1), (4, 3)]:
+        batch.check(batch.cascade(prefix_splits=prefix_splits, suffix_splits=suffix_splits))
