@@ -98,9 +98,11 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}.")
         if self.attention_backend == "triton" and self.device != "cuda":
             raise ValueError("attention_backend='triton' needs a CUDA device; use 'torch' on CPU.")
-        if self.tensor_parallel_size != 1:
-            # The layers are written sharded, but the multi-process executor is not built yet.
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: use 1.")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
+        if self.device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs as many GPUs, but "
+                             f"{torch.cuda.device_count()} are visible: lower tensor_parallel_size.")
         num_kv_heads = getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
         if self.hf_config.num_attention_heads % self.tensor_parallel_size or num_kv_heads % self.tensor_parallel_size:
             raise ValueError(

@@ -18,6 +18,10 @@ class LLM:
         """kwargs: EngineConfig's fields (vLLM's names): dtype, max_model_len, max_num_seqs, ..."""
         self.llm_engine = LLMEngine(EngineConfig(model, **kwargs))
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel worker processes (a no-op without them)."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self):  # noqa: ANN201 (a transformers tokenizer)
         return self.llm_engine.tokenizer
 

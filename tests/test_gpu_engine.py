@@ -60,10 +60,7 @@ def first_step_logits(model_dir: str, prompts: list[list[int]], dtype: str, back
         seq = Sequence(str(i), 0, prompt, SamplingParams())
         seq.block_table = list(range(i * 16, i * 16 + -(-len(prompt) // 8)))
         batch.add(seq, len(prompt), samples=True)
-    inputs = runner.prepare_inputs(batch)
-    with torch.inference_mode():
-        hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)[inputs.logits_indices]
-        return runner.model.compute_logits(hidden).float()
+    return runner.execute_model(runner.prepare_inputs(batch)).float()
 
 
 def test_bf16_first_step_logits_match_torch_backend(tiny_model_factory) -> None:

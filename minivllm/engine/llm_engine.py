@@ -14,6 +14,7 @@ from minivllm.engine.kv_cache_manager import KVCacheManager
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.executor.model_runner import ModelRunner, StepHandle
+from minivllm.executor.worker import Workers
 from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -48,7 +49,13 @@ class LLMEngine:
         if not config.skip_tokenizer_init:
             self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.eos_token_ids = self._eos_token_ids()
-        self.model_runner = ModelRunner(config)
+        # Ranks 1..N-1 of a tensor-parallel engine; they build their shards alongside ours.
+        self.workers = Workers(config) if config.tensor_parallel_size > 1 else None
+        try:
+            self.model_runner = ModelRunner(config, self.workers)
+        except BaseException:
+            self.shutdown()
+            raise
         self.kv_cache_manager = KVCacheManager(self.model_runner.num_blocks, config.block_size,
                                                config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
@@ -159,6 +166,12 @@ class LLMEngine:
                 "num_preemptions": self.scheduler.num_preemptions, "num_free_blocks": kv.num_free_blocks,
                 "num_blocks": kv.num_blocks, "num_running": len(self.scheduler.running),
                 "num_waiting": len(self.scheduler.waiting)}
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any. The engine cannot run steps afterwards."""
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
 
     # --- one step ---------------------------------------------------------------------------
 

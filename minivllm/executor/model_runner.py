@@ -1,11 +1,18 @@
 """ModelRunner: owns the model and its KV cache; turns a scheduled batch into tensors,
-runs the forward pass and samples the next tokens."""
+runs the forward pass and samples the next tokens.
+
+Under tensor parallelism every rank has a ModelRunner on its shard. Rank 0 prepares each
+step's host inputs (prepare_inputs) and ships them to the other ranks (executor/worker.py);
+every rank then runs execute_model, whose collectives keep the ranks in step; only rank 0
+gets logits, and samples.
+"""
 
 import itertools
 import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,11 +23,15 @@ from minivllm.config import EngineConfig
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.sequence import Sequence
 from minivllm.executor.cuda_graphs import DecodeGraphs
+from minivllm.executor.distributed import broadcast_from_rank0, min_across_ranks, tp_rank, tp_size
 from minivllm.executor.input_buffers import InputBuffers
 from minivllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from minivllm.loader import init_dummy_weights, load_weights
 from minivllm.models.registry import build_model
 from minivllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from minivllm.executor.worker import Workers
 
 logger = logging.getLogger(__name__)
 
@@ -44,17 +55,35 @@ class StepHandle:
 
 
 @dataclass
+class StepInputs:
+    """A step's inputs as prepared on the host: the rows each buffer field uses (numpy
+    views of the current host set) and the host-side metadata. This is what rank 0 ships
+    to the other ranks; pickling copies just those rows."""
+
+    arrays: dict[str, np.ndarray]
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    graph_size: int | None  # run as the decode CUDA graph of this batch size (None: eagerly)
+
+
+@dataclass
 class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the hidden states to sample from
-    sampled_seqs: list[Sequence]  # their sequences, in that order
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, workers: "Workers | None" = None) -> None:
+        """workers: on rank 0 of a tensor-parallel engine, the other ranks, already started."""
+        if tp_size() != config.tensor_parallel_size:
+            raise ValueError(f"A tensor-parallel engine of size {tp_size()} is running in this process: "
+                             "shut it down (LLM.shutdown()) before starting another engine.")
         self.config = config
+        self.workers = workers
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
@@ -119,7 +148,8 @@ class ModelRunner:
             budget = int(available * _CPU_KV_CACHE_FRACTION)
             # No point holding more than every sequence at full length.
             budget = min(budget, config.max_num_seqs * config.max_blocks_per_seq * block_bytes)
-        num_blocks = budget // block_bytes
+        # Every rank must hold the same blocks; the scheduler on rank 0 sizes for the smallest.
+        num_blocks = min_across_ranks(budget // block_bytes, self.device)
         if num_blocks < config.max_blocks_per_seq:
             raise ValueError(
                 f"The KV cache has room for {num_blocks * self.block_size} tokens, less than one sequence "
@@ -148,12 +178,13 @@ class ModelRunner:
             seq = Sequence("profile", 0, [0] * seq_len, SamplingParams())
             seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
             batch.add(seq, min(seq_len, num_tokens - i * seq_len), samples=False)
-        inputs = self.prepare_inputs(batch)
+        inputs = self._upload(self.prepare_inputs(batch))
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        # The sampler's largest working set: logits for max_num_seqs rows.
+        # The sampler's largest working set: logits for max_num_seqs rows (on rank 0).
         rows = hidden[:1].expand(config.max_num_seqs, -1)
         logits = self.model.compute_logits(rows)
-        torch.softmax(logits.float(), dim=-1).sort(dim=-1)
+        if logits is not None:
+            torch.softmax(logits.float(), dim=-1).sort(dim=-1)
         torch.cuda.synchronize()
         # Weights and the step's working set; the throwaway cache is not part of it.
         peak = (torch.cuda.max_memory_allocated() - self._memory_baseline
@@ -185,11 +216,12 @@ class ModelRunner:
 
     # --- one step ---------------------------------------------------------------------------
 
-    def prepare_inputs(self, batch: ScheduledBatch, padded_size: int | None = None) -> ModelInputs:
-        """Write the step into the persistent buffers and upload them.
+    def prepare_inputs(self, batch: ScheduledBatch, padded_size: int | None = None) -> StepInputs:
+        """Write the step into the next host buffer set (host work only).
 
         A sequence's newest token may still be pending (sampled by the step in flight, not
-        yet read back): its input id is copied from that step's output on the device.
+        yet read back): pending_dst/pending_src say where _upload copies it from that
+        step's output on the device.
         padded_size: for a decode-only step run as a CUDA graph of that batch size, the
         rows past the batch are filled with harmless padding (stored nowhere).
         """
@@ -241,52 +273,96 @@ class ModelRunner:
             buf["slot_mapping"][pad] = -1
             buf["seq_lens"][pad] = 0  # the decode kernel skips empty rows
             query_start_loc[num_seqs + 1:padded_size + 1] = np.arange(num_seqs + 1, padded_size + 1)
-        upload = self.buffers.upload
-        meta = AttentionMetadata(
-            query_start_loc=upload("query_start_loc", rows + 1),
-            seq_lens=upload("seq_lens", rows),
-            block_tables=upload("block_tables", rows),
-            slot_mapping=upload("slot_mapping", tokens),
+        used_rows = {"query_start_loc": rows + 1, "seq_lens": rows, "block_tables": rows, "slot_mapping": tokens,
+                     "input_ids": tokens, "positions": tokens, "logits_indices": len(logits_indices),
+                     "pending_dst": num_pending, "pending_src": num_pending}
+        arrays = {name: buf[name][:n] for name, n in used_rows.items()}
+        # Rank 0 uploads whole block-table rows; the other ranks get only the columns in use
+        # (the rest are zeros), which keeps long-context messages small.
+        arrays["block_tables"] = block_tables[:rows, :width]
+        return StepInputs(
+            arrays=arrays,
             max_query_len=int(num_new.max()),
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=query_start_loc[:num_seqs + 1].tolist(),
             seq_lens_cpu=seq_lens.tolist(),
+            graph_size=padded_size,
+        )
+
+    def _upload(self, step: StepInputs) -> ModelInputs:
+        """Queue the copies of the step's host rows to the device; the step's device inputs."""
+        upload = self.buffers.upload
+        rows = {name: len(array) for name, array in step.arrays.items()}
+        meta = AttentionMetadata(
+            query_start_loc=upload("query_start_loc", rows["query_start_loc"]),
+            seq_lens=upload("seq_lens", rows["seq_lens"]),
+            block_tables=upload("block_tables", rows["block_tables"]),
+            slot_mapping=upload("slot_mapping", rows["slot_mapping"]),
+            max_query_len=step.max_query_len,
+            max_seq_len=step.max_seq_len,
+            query_start_loc_cpu=step.query_start_loc_cpu,
+            seq_lens_cpu=step.seq_lens_cpu,
         )
         inputs = ModelInputs(
-            input_ids=upload("input_ids", tokens),
-            positions=upload("positions", tokens),
+            input_ids=upload("input_ids", rows["input_ids"]),
+            positions=upload("positions", rows["positions"]),
             meta=meta,
-            logits_indices=upload("logits_indices", len(logits_indices)),
-            sampled_seqs=[seq for seq, s in zip(batch.seqs, batch.samples) if s],
+            logits_indices=upload("logits_indices", rows["logits_indices"]),
         )
+        num_pending = rows["pending_dst"]
         if num_pending:
-            dst, src = upload("pending_dst", num_pending), upload("pending_src", num_pending)
-            inputs.input_ids[dst] = self.last_sampled[src]
+            # Only rank 0 samples, so only it has the pending tokens; other ranks take its input ids.
+            if tp_rank() == 0:
+                dst, src = upload("pending_dst", num_pending), upload("pending_src", num_pending)
+                inputs.input_ids[dst] = self.last_sampled[src]
+            broadcast_from_rank0(inputs.input_ids)
         self.buffers.uploads_queued()
         return inputs
+
+    @torch.inference_mode()
+    def execute_model(self, step: StepInputs) -> torch.Tensor | None:
+        """Run a prepared step's forward pass: logits of its sampled rows on rank 0; None
+        on other ranks, or when no row samples. Every rank runs this for every step."""
+        inputs = self._upload(step)
+        if step.graph_size is not None:
+            hidden = self.decode_graphs.replay(step.graph_size)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if not len(inputs.logits_indices):
+            return None
+        return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def execute_shipped(self, step: StepInputs) -> None:
+        """On ranks 1..N-1: rank 0's prepared step, copied into this rank's host buffers, then run."""
+        buf = self.buffers.next_host()
+        for name, array in step.arrays.items():
+            rows = buf[name][:len(array)]
+            if name == "block_tables":  # shipped only as wide as the longest table
+                rows[:, array.shape[1]:] = 0
+                rows = rows[:, :array.shape[1]]
+            rows[...] = array
+        self.execute_model(step)
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> StepHandle:
         """Queue the step's forward pass and sampling on the device; don't wait for them."""
         is_decode = all(n == 1 for n in batch.num_new_tokens)
         padded_size = self.decode_graphs.padded_size(len(batch)) if is_decode and self.decode_graphs else None
-        inputs = self.prepare_inputs(batch, padded_size)
-        if padded_size is not None:
-            # Every row of a decode step is sampled, in order.
-            hidden = self.decode_graphs.replay(padded_size)[:len(batch)]
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)[inputs.logits_indices]
-        if not inputs.sampled_seqs:
+        step = self.prepare_inputs(batch, padded_size)
+        if self.workers is not None:
+            self.workers.call("execute_shipped", step)
+        logits = self.execute_model(step)
+        sampled_seqs = [seq for seq, samples in zip(batch.seqs, batch.samples) if samples]
+        if not sampled_seqs:
             return StepHandle([], None, None, None)
-        logits = self.model.compute_logits(hidden)
-        rows = [_sampling_row(seq) for seq in inputs.sampled_seqs]
+        rows = [_sampling_row(seq) for seq in sampled_seqs]
         out = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
         # The next step reads these on the device, for sequences whose token is still pending.
         self.last_sampled = out.sampled_token_ids
-        self.last_sampled_rows = {seq.seq_id: row for row, seq in enumerate(inputs.sampled_seqs)}
+        self.last_sampled_rows = {seq.seq_id: row for row, seq in enumerate(sampled_seqs)}
         # Two pinned buffers in turn: a step's tokens are read after the next step is launched.
         self._token_buffer = 1 - self._token_buffer
-        host = [self._sampled_host[self._token_buffer][:len(inputs.sampled_seqs)]]
+        host = [self._sampled_host[self._token_buffer][:len(sampled_seqs)]]
         host[0].copy_(out.sampled_token_ids, non_blocking=True)
         if out.logprobs is not None:
             host += [tensor.to("cpu", non_blocking=True)
@@ -295,7 +371,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return StepHandle(inputs.sampled_seqs, host, out.logprobs is not None, done)
+        return StepHandle(sampled_seqs, host, out.logprobs is not None, done)
 
     def collect(self, handle: StepHandle) -> tuple[list[Sequence], list[int], list[TokenLogprobs | None]]:
         """Wait for a launched step: its sampled sequences, their tokens and logprobs."""

@@ -1,0 +1,106 @@
+"""Tensor parallelism: with tensor_parallel_size=2 (gloo on CPU, NCCL on GPUs) greedy
+generation equals tensor_parallel_size=1 and Hugging Face token for token in fp32, through
+chunked prefill, preemption and prefix-cache hits; shutdown leaves no processes behind.
+
+Each TP=2 engine spawns a worker that imports torch (seconds), so each test builds one.
+A TP=1 engine cannot run in a process while a TP=2 one does (one process group per
+process): references are computed first.
+"""
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from minivllm import SamplingParams
+from tests.hf_oracle import hf_greedy
+from tests.test_generate_hf import expected, make_llm, mixed_prompts, run, vocab
+
+MODELS = {
+    "qwen3": ("Qwen3ForCausalLM", {}),
+    "qwen2-qkv-bias": ("Qwen2ForCausalLM", {}),
+    # An odd vocabulary: the last rank's embedding and LM-head shards are padded.
+    "qwen3-tied-sharded-odd-vocab": ("Qwen3ForCausalLM", {"tie_word_embeddings": True,
+                                                          "max_shard_size": "100KB", "vocab_size": 771}),
+}
+MAX_TOKENS = 20
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_chunked_prefill_and_preemption_match_tp1_and_hf(name: str, tiny_model_factory) -> None:
+    architecture, overrides = MODELS[name]
+    model_dir = tiny_model_factory(architecture, **overrides)
+    prompts = mixed_prompts(vocab(model_dir), seed=7)
+    want = expected(model_dir, prompts, MAX_TOKENS)
+    block_bytes = make_llm(model_dir).llm_engine.model_runner._kv_bytes_per_block()
+    # 20 blocks on every rank (a TP=2 rank's blocks hold half the KV heads): one
+    # full-length sequence, far less than the batch needs, so sequences get preempted.
+    kwargs = {"max_num_batched_tokens": 13}
+    tp1 = make_llm(model_dir, kv_cache_memory_bytes=20 * block_bytes, **kwargs)
+    tp1_outputs = [run(tp1, prompts, MAX_TOKENS) for _ in range(2)]  # the second run hits the prefix cache
+    tp1_stats = tp1.llm_engine.stats()
+    tp2 = make_llm(model_dir, kv_cache_memory_bytes=10 * block_bytes, tensor_parallel_size=2, **kwargs)
+    try:
+        tp2_outputs = [run(tp2, prompts, MAX_TOKENS) for _ in range(2)]
+        stats = tp2.llm_engine.stats()
+    finally:
+        tp2.shutdown()
+    print(name, stats)
+    assert tp2_outputs == tp1_outputs == [want, want]
+    assert stats == tp1_stats  # the same blocks, so the same schedule
+    assert stats["num_blocks"] == 20 and stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    assert not mp.active_children()
+
+
+def test_plain_logprobs_and_shutdown(tiny_model_factory) -> None:
+    model_dir = tiny_model_factory("Qwen3ForCausalLM")
+    prompts = mixed_prompts(vocab(model_dir), seed=8)
+    want = expected(model_dir, prompts)
+    prompt = prompts[5]
+    want_tokens, want_logprobs = hf_greedy(model_dir, prompt, 6)
+    llm = make_llm(model_dir, tensor_parallel_size=2)
+    try:
+        assert run(llm, prompts) == want
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+        assert list(out.token_ids) == want_tokens
+        for position, ref in zip(out.logprobs, want_logprobs):
+            for token_id, logprob in position.items():
+                assert abs(logprob.logprob - float(ref[token_id])) < 1e-4  # fp32 tolerance
+        with pytest.raises(ValueError, match="shut it down"):
+            make_llm(model_dir)  # its layers would join the running engine's collectives
+        assert len(mp.active_children()) == 1
+    finally:
+        llm.shutdown()
+    assert not mp.active_children()
+    llm.shutdown()  # a second call is harmless
+
+
+def test_bad_tensor_parallel_size(tiny_model_factory) -> None:
+    model_dir = tiny_model_factory("Qwen3ForCausalLM")  # 4 attention heads, 2 KV heads
+    with pytest.raises(ValueError, match="must divide"):
+        make_llm(model_dir, tensor_parallel_size=4)
+    with pytest.raises(ValueError, match="at least 1"):
+        make_llm(model_dir, tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="GPUs"):
+        make_llm(model_dir, device="cuda", tensor_parallel_size=2 * max(1, torch.cuda.device_count()))
+    assert not mp.active_children()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("name", list(MODELS))
+def test_gpu_tp2_matches_tp1(name: str, tiny_model_factory) -> None:
+    architecture, overrides = MODELS[name]
+    model_dir = tiny_model_factory(architecture, **overrides)
+    prompts = mixed_prompts(vocab(model_dir), seed=9)
+    kwargs = {"gpu_memory_utilization": 0.3, "max_num_seqs": 16}
+    for regime in ({}, {"enforce_eager": True}, {"max_num_batched_tokens": 13}):
+        tp1 = make_llm(model_dir, **kwargs, **regime)
+        want = run(tp1, prompts, MAX_TOKENS)
+        tp2 = make_llm(model_dir, tensor_parallel_size=2, **kwargs, **regime)  # CUDA graphs unless eager
+        try:
+            assert run(tp2, prompts, MAX_TOKENS) == want, regime
+        finally:
+            tp2.shutdown()
