@@ -112,3 +112,27 @@ def test_allocation_failure_changes_nothing() -> None:
     seq = make_seq(list(range(20)))
     assert not admit(kv, seq)
     assert seq.block_table == [] and kv.num_free_blocks == 3
+
+
+def test_shared_prefix_detection() -> None:
+    import numpy as np
+
+    from minivllm.executor import model_runner
+    from minivllm.executor.model_runner import shared_prefix_blocks
+
+    bs = 16
+    prefix = list(range(100, 100 + 20))  # 20 shared blocks = 320 tokens
+    tables = np.zeros((8, 40), dtype=np.int32)
+    for i in range(8):
+        tables[i, :22] = prefix + [200 + 2 * i, 201 + 2 * i]
+    seq_lens = np.full(8, 20 * bs + 20)
+    assert shared_prefix_blocks(tables, seq_lens, bs) == 20
+    # A sequence that diverges early cuts the shared prefix short (below the threshold: 0).
+    tables[3, 5] = 999
+    assert shared_prefix_blocks(tables, seq_lens, bs) == 0
+    tables[3, 5] = prefix[5]
+    # Every sequence keeps at least one token of its own: a context ending at the prefix.
+    seq_lens[0] = 20 * bs
+    assert shared_prefix_blocks(tables, seq_lens, bs) == 19
+    # Too few sequences: not worth it.
+    assert shared_prefix_blocks(tables[:model_runner.CASCADE_MIN_SEQS - 1], seq_lens[:7], bs) == 0

@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Cascade attention pays off when many decoding sequences share a long prefix (first
+# guesses, to be tuned with benchmarks/cascade_attention.py).
+CASCADE_MIN_SEQS = 8
+CASCADE_MIN_PREFIX_TOKENS = 256
+
 # Share of available RAM the KV cache takes on CPU when kv_cache_memory_bytes is not given.
 _CPU_KV_CACHE_FRACTION = 0.25
 
@@ -66,6 +71,7 @@ class StepInputs:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     graph_size: int | None  # run as the decode CUDA graph of this batch size (None: eagerly)
+    num_shared_prefix_blocks: int  # leading block-table entries every sequence shares (cascade)
 
 
 @dataclass
@@ -265,6 +271,11 @@ class ModelRunner:
         sampled = np.array(batch.samples, dtype=bool)
         logits_indices = query_start_loc[1:num_seqs + 1][sampled] - 1
         buf["logits_indices"][:len(logits_indices)] = logits_indices
+        shared_blocks = 0
+        if self.config.attention_backend == "triton" and int(num_new.max()) == 1:
+            shared_blocks = shared_prefix_blocks(block_tables[:num_seqs], seq_lens, bs)
+            if shared_blocks:
+                padded_size = None  # cascade attention runs eagerly (its splits follow the batch)
         rows, tokens = num_seqs, num_tokens
         if padded_size is not None:
             rows = tokens = padded_size
@@ -287,6 +298,7 @@ class ModelRunner:
             query_start_loc_cpu=query_start_loc[:num_seqs + 1].tolist(),
             seq_lens_cpu=seq_lens.tolist(),
             graph_size=padded_size,
+            num_shared_prefix_blocks=shared_blocks,
         )
 
     def _upload(self, step: StepInputs) -> ModelInputs:
@@ -303,6 +315,8 @@ class ModelRunner:
             query_start_loc_cpu=step.query_start_loc_cpu,
             seq_lens_cpu=step.seq_lens_cpu,
         )
+        if step.num_shared_prefix_blocks:
+            meta.shared_prefix_blocks = meta.block_tables[0, :step.num_shared_prefix_blocks]
         inputs = ModelInputs(
             input_ids=upload("input_ids", rows["input_ids"]),
             positions=upload("positions", rows["positions"]),
@@ -409,3 +423,14 @@ def _sampling_row(seq: Sequence) -> SamplingRow:
     needs_history = params.has_penalties or params.min_tokens > 0
     return SamplingRow(params, seq.prompt_token_ids if needs_history else (),
                        seq.output_token_ids if needs_history else (), seq.generator)
+
+
+def shared_prefix_blocks(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int) -> int:
+    """How many leading block-table entries every sequence shares, if enough to use cascade
+    attention (else 0). Each sequence keeps at least one token of its own past the prefix."""
+    if len(block_tables) < CASCADE_MIN_SEQS:
+        return 0
+    limit = int((seq_lens.min() - 1) // block_size)
+    same = (block_tables[:, :limit] == block_tables[0, :limit]).all(axis=0)
+    shared = limit if same.all() else int(same.argmin())
+    return shared if shared * block_size >= CASCADE_MIN_PREFIX_TOKENS else 0
