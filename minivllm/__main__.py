@@ -1,3 +1,4 @@
 from minivllm.entrypoints.cli import main
 
-main()
+if __name__ == "__main__":  # spawned tensor-parallel workers import this module too
+    main()
