@@ -25,6 +25,7 @@ from minivllm.engine.sequence import Sequence
 from minivllm.executor.cuda_graphs import DecodeGraphs
 from minivllm.executor.distributed import broadcast_from_rank0, min_across_ranks, tp_rank, tp_size
 from minivllm.executor.input_buffers import InputBuffers
+from minivllm.layers.attention import AttentionBackend
 from minivllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from minivllm.loader import init_dummy_weights, load_weights
 from minivllm.models.registry import build_model
@@ -129,7 +130,7 @@ class ModelRunner:
 
     # --- set-up -----------------------------------------------------------------------------
 
-    def _make_attention_backend(self) -> object:
+    def _make_attention_backend(self) -> AttentionBackend:
         if self.config.attention_backend == "triton":
             from minivllm.attention.triton_backend import TritonAttentionBackend  # needs a GPU
             attn = self.model.attention_layers()[0]
