@@ -7,5 +7,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # torch first, pinned, so pip takes the CPU build on disk instead of a multi-GB CUDA one.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "torch==2.13.0"
-.venv/bin/python -c "import minivllm, pytest, hypothesis, triton" 2>/dev/null \
-    || .venv/bin/pip install -q -e ".[test]"
+# The console script is the sign that minivllm itself is installed (importing it from the
+# repository root would succeed without that).
+if [ ! -x .venv/bin/minivllm ] || ! .venv/bin/python -c "import pytest, hypothesis, triton" 2>/dev/null; then
+    .venv/bin/pip install -q -e ".[test]"
+fi
