@@ -69,10 +69,11 @@ class SamplingParams:
             fail("stop strings must not be empty.")
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_EPSILON
-
-    @property
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    @property
+    def needs_token_history(self) -> bool:
+        """Sampling reads the sequence's tokens so far (penalties, min_tokens)."""
+        return self.has_penalties or self.min_tokens > 0

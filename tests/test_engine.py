@@ -246,3 +246,41 @@ def test_next_step_is_launched_before_the_last_is_read_back(llm: LLM, model_dir:
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert list(outputs[0].outputs[0].token_ids) == hf_greedy(model_dir, prompt, 6)[0]
+
+
+def test_streamed_deltas_join_to_the_final_output(llm: LLM) -> None:
+    engine = llm.llm_engine
+    prompt = {"prompt_token_ids": random_prompt(9, seed=11)}
+    want = llm.generate(prompt, greedy(12, logprobs=1), use_tqdm=False)[0].outputs[0]
+    engine.add_request("stream", prompt, greedy(12, logprobs=1), stream=True)
+    token_ids, text, logprobs = [], "", []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            token_ids += output.outputs[0].token_ids
+            text += output.outputs[0].text
+            logprobs += output.outputs[0].logprobs
+    assert token_ids == list(want.token_ids) and text == want.text
+    assert [p.keys() for p in logprobs] == [p.keys() for p in want.logprobs]
+
+
+def test_non_integer_token_ids_are_rejected(llm: LLM) -> None:
+    for bad in ([1.0, 2.0], ["a"], [True, 3]):
+        with pytest.raises(ValueError, match="integers"):
+            llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": bad}], greedy(2), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert_all_blocks_free(llm.llm_engine)
+
+
+def test_a_failed_step_stops_the_engine(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = LLM(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE).llm_engine
+    engine.add_request("r", {"prompt_token_ids": random_prompt(10)}, greedy(4))
+
+    def broken_launch(batch: object) -> None:
+        raise MemoryError("out of device memory")
+
+    monkeypatch.setattr(engine.model_runner, "launch", broken_launch)
+    with pytest.raises(MemoryError):
+        engine.step()
+    # Its books no longer match the KV cache: it refuses to go on rather than risk wrong output.
+    with pytest.raises(RuntimeError, match="failed in an earlier step"):
+        engine.step()

@@ -1,7 +1,6 @@
 """LLMEngine: requests in, outputs out, one scheduled step at a time."""
 
 import itertools
-import logging
 import time
 from dataclasses import dataclass, field
 
@@ -17,8 +16,6 @@ from minivllm.executor.model_runner import ModelRunner, StepHandle
 from minivllm.executor.worker import Workers
 from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from minivllm.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
 
 # A prompt: text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]} dicts.
 PromptType = str | list[int] | dict
@@ -61,8 +58,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.requests: dict[str, Request] = {}
         self.in_flight: StepHandle | None = None  # the launched step not yet read back
-        # Requests whose sampling reads their latest tokens (penalties, min_tokens).
-        self._sync_request_ids: set[str] = set()
+        self.failure: BaseException | None = None  # what broke a step (the engine is then unusable)
         self._request_counter = itertools.count()
         # Tokens processed, for the progress bar's live rates.
         self.num_prefill_tokens = 0
@@ -110,15 +106,13 @@ class LLMEngine:
         request = Request(request_id, prompt_text, prompt_token_ids, params, seqs, detokenizers,
                           RequestMetrics(arrival_time or time.time()), stream, [0] * params.n)
         self.requests[request_id] = request
-        if params.has_penalties or params.min_tokens > 0:
-            self._sync_request_ids.add(request_id)
         for seq in seqs:
             self.scheduler.add(seq)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -127,8 +121,8 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("skip_tokenizer_init=True: pass prompts as {'prompt_token_ids': [...]}.")
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, _token_ids(prompt)
         raise ValueError(f"Unsupported prompt type {type(prompt).__name__}: pass a string, a list of "
                          "token ids, or {'prompt_token_ids': [...]}.")
 
@@ -151,7 +145,6 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
-        self._sync_request_ids.discard(request_id)
         if request is None:
             return
         for seq in request.seqs:
@@ -186,8 +179,16 @@ class LLMEngine:
         if self.in_flight is not None and self._needs_known_tokens():
             outputs += self._finish_step(self.in_flight)
             self.in_flight = None
+        if self.failure is not None:
+            raise RuntimeError("The engine failed in an earlier step; start a new one.") from self.failure
         batch = self.scheduler.schedule()
-        launched = self.model_runner.launch(batch) if batch.seqs else None
+        try:
+            launched = self.model_runner.launch(batch) if batch.seqs else None
+        except BaseException as error:
+            # The scheduler already counted this step as done (computed tokens, cached block
+            # hashes), so the engine's books no longer match the KV cache: stop for good.
+            self.failure = error
+            raise
         now = time.time()
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             metrics = self.requests[seq.request_id].metrics
@@ -204,8 +205,7 @@ class LLMEngine:
     def _needs_known_tokens(self) -> bool:
         """Penalties and min_tokens read a sequence's latest tokens: wait for them."""
         return any(seq.params.has_penalties or 0 < seq.num_output_tokens <= seq.params.min_tokens
-                   for request_id in self._sync_request_ids for seq in self.requests[request_id].seqs
-                   if seq.status is SequenceStatus.RUNNING)
+                   for seq in self.scheduler.running)
 
     def _finish_step(self, handle: StepHandle) -> list[RequestOutput]:
         advanced: dict[str, Request] = {}
@@ -230,7 +230,6 @@ class LLMEngine:
             if request.finished:
                 request.metrics.finished_time = now
                 del self.requests[request.request_id]
-                self._sync_request_ids.discard(request.request_id)
             elif not request.stream:
                 continue
             outputs.append(self._make_output(request))
@@ -245,8 +244,7 @@ class LLMEngine:
         if token in params.all_stop_token_ids and num_outputs >= params.min_tokens:
             finish_reason = "stop"
             stop_reason = token if token in params.stop_token_ids else None  # None: EOS
-        elif num_known >= self.config.max_model_len or (
-                params.max_tokens is not None and num_outputs >= params.max_tokens):
+        elif seq.length_limit_reached(self.config.max_model_len, num_known):
             finish_reason = "length"
         detokenizer = request.detokenizers[seq.index]
         if detokenizer is not None:
@@ -265,7 +263,7 @@ class LLMEngine:
             detokenizer = request.detokenizers[seq.index]
             start = request.num_sent_tokens[seq.index] if request.stream else 0
             if request.stream:
-                request.num_sent_tokens[seq.index] = seq.num_output_tokens
+                request.num_sent_tokens[seq.index] = len(seq.output_token_ids)  # known tokens only
             if detokenizer is not None:
                 text = detokenizer.get_next_output_text(seq.is_finished, request.stream)
             else:
@@ -292,3 +290,11 @@ class LLMEngine:
 
     def _decode_token(self, token: int) -> str | None:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
+
+
+def _token_ids(values: object) -> list[int]:
+    """A prompt's token ids as a list of ints; anything else is the caller's mistake."""
+    if not isinstance(values, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in values):
+        raise ValueError("prompt_token_ids must be a list of integers.")
+    return list(values)

@@ -24,10 +24,6 @@ class ScheduledBatch:
     # Whether the step samples the sequence's next token (its last known token is computed).
     samples: list[bool] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
     def __len__(self) -> int:
         return len(self.seqs)
 
@@ -60,7 +56,7 @@ class Scheduler:
         allocate = self.kv_cache_manager.allocate
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.reached_length_limit(self.max_model_len):
+            if seq.length_limit_reached(self.max_model_len, seq.num_tokens):
                 i += 1  # finishes once its pending token is read back
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)

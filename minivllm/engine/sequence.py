@@ -64,9 +64,8 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
-    def reached_length_limit(self, max_model_len: int) -> bool:
-        """No more tokens may follow (pending ones counted): max_tokens or the context is full."""
-        num_tokens = len(self.token_ids) + self.num_pending_tokens
+    def length_limit_reached(self, max_model_len: int, num_tokens: int) -> bool:
+        """Whether a sequence of num_tokens tokens may grow no further (max_tokens or a full context)."""
         max_tokens = self.params.max_tokens
         return num_tokens >= max_model_len or (
             max_tokens is not None and num_tokens - self.num_prompt_tokens >= max_tokens)

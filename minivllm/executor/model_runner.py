@@ -51,12 +51,11 @@ TokenLogprobs = dict[int, tuple[float, int]]
 
 @dataclass
 class StepHandle:
-    """A launched step: its sampled sequences and the host copies of its outputs (valid
-    once `done` has completed; None on CPU, where everything is synchronous)."""
+    """A launched step: its sampled sequences and the host copies of its outputs, valid
+    once `done` has completed (None on CPU, where everything is synchronous)."""
 
     sampled_seqs: list[Sequence]
-    host: list[torch.Tensor] | None  # sampled ids, then logprob ids, logprobs, ranks if asked
-    has_logprobs: bool | None
+    host: list[torch.Tensor]  # sampled ids, then logprob ids, logprobs, ranks if asked
     done: "torch.cuda.Event | None"
 
 
@@ -369,7 +368,7 @@ class ModelRunner:
         logits = self.execute_model(step)
         sampled_seqs = [seq for seq, samples in zip(batch.seqs, batch.samples) if samples]
         if not sampled_seqs:
-            return StepHandle([], None, None, None)
+            return StepHandle([], [], None)
         rows = [_sampling_row(seq) for seq in sampled_seqs]
         out = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
         # The next step reads these on the device, for sequences whose token is still pending.
@@ -386,7 +385,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return StepHandle(sampled_seqs, host, out.logprobs is not None, done)
+        return StepHandle(sampled_seqs, host, done)
 
     def collect(self, handle: StepHandle) -> tuple[list[Sequence], list[int], list[TokenLogprobs | None]]:
         """Wait for a launched step: its sampled sequences, their tokens and logprobs."""
@@ -396,7 +395,7 @@ class ModelRunner:
             handle.done.synchronize()
         token_ids = handle.host[0].tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
-        if handle.has_logprobs:
+        if len(handle.host) > 1:
             ids, values, ranks = (tensor.tolist() for tensor in handle.host[1:])
             logprobs = self._logprob_dicts(handle.sampled_seqs, ids, values, ranks)
         return handle.sampled_seqs, token_ids, logprobs
@@ -421,7 +420,7 @@ class ModelRunner:
 def _sampling_row(seq: Sequence) -> SamplingRow:
     """Token history is only copied for the rows whose sampling reads it."""
     params = seq.params
-    needs_history = params.has_penalties or params.min_tokens > 0
+    needs_history = params.needs_token_history
     return SamplingRow(params, seq.prompt_token_ids if needs_history else (),
                        seq.output_token_ids if needs_history else (), seq.generator)
 

@@ -87,7 +87,7 @@ class SamplingMetadata:
 
         # One pass over the rows, one array for every float parameter (it travels to the
         # device in one copy; the rows below are views). float64 first, so that "greedy"
-        # is decided exactly as SamplingParams.greedy decides it.
+        # is decided exactly on the user's temperature.
         float_params = np.array([(p.temperature, p.top_p, p.min_p, p.presence_penalty,
                                   p.frequency_penalty, p.repetition_penalty) for p in params],
                                 dtype=np.float64).reshape(num_rows, 6)
@@ -180,8 +180,7 @@ def _pad_token_ids(lists: Sequence[Sequence[int] | np.ndarray], pad: int) -> np.
 def _min_tokens_pairs(rows: list[SamplingRow],
                       vocab_size: int) -> tuple[np.ndarray | None, np.ndarray | None]:
     """(row, token) pairs to block: rows still short of min_tokens, their stop token ids plus
-    all_stop_token_ids (EOS and friends, as the engine filled them; vLLM blocks these even
-    with ignore_eos)."""
+    all_stop_token_ids (EOS unless ignore_eos, as the engine fills it)."""
     row_ids: list[int] = []
     token_ids: list[int] = []
     for i, row in enumerate(rows):
