@@ -1,0 +1,54 @@
+"""The engine on the Triton attention backend, run on CPU through Triton's interpreter
+(tests/conftest.py sets TRITON_INTERPRET=1 without a GPU): the same kernels and runner
+paths as on the GPU (mixed prefill, split-KV decode, cascade), checked against HF."""
+
+import random
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from tests.hf_oracle import hf_greedy
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs these paths natively (-m gpu)")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory) -> str:
+    return tiny_model_factory("Qwen3ForCausalLM")
+
+
+def greedy_outputs(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [list(o.outputs[0].token_ids)
+            for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
+
+def test_chunked_prefill_and_decode_match_hf(model_dir: str) -> None:
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 700) for _ in range(n)] for n in (1, 7, 8, 9, 30)]
+    llm = LLM(model_dir, dtype="float32", max_model_len=64, block_size=8, attention_backend="triton",
+              max_num_batched_tokens=12)
+    assert greedy_outputs(llm, prompts, 6) == [hf_greedy(model_dir, p, 6)[0] for p in prompts]
+
+
+def test_cascade_attention_for_a_shared_prefix(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import minivllm.attention.triton_backend as triton_backend
+    from minivllm.executor import model_runner
+
+    monkeypatch.setattr(model_runner, "CASCADE_MIN_PREFIX_TOKENS", 16)
+    monkeypatch.setattr(model_runner, "CASCADE_MIN_SEQS", 2)
+    calls = []
+    original = triton_backend.paged_attention_decode_shared_prefix
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "paged_attention_decode_shared_prefix", spy)
+    rng = random.Random(2)
+    shared = [rng.randrange(3, 700) for _ in range(40)]  # five 8-token blocks
+    prompts = [shared + [rng.randrange(3, 700) for _ in range(n)] for n in (1, 4, 9)]
+    llm = LLM(model_dir, dtype="float32", max_model_len=96, block_size=8, attention_backend="triton")
+    assert greedy_outputs(llm, prompts, 6) == [hf_greedy(model_dir, p, 6)[0] for p in prompts]
+    assert calls, "the cascade path was not taken"
