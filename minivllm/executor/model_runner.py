@@ -25,7 +25,10 @@ from minivllm.engine.sequence import Sequence
 from minivllm.executor.cuda_graphs import DecodeGraphs
 from minivllm.executor.distributed import broadcast_from_rank0, min_across_ranks, tp_rank, tp_size
 from minivllm.executor.input_buffers import InputBuffers
+from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.attention import AttentionBackend
+from minivllm.layers.norm import RMSNorm
+from minivllm.layers.rotary import RotaryEmbedding
 from minivllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from minivllm.loader import init_dummy_weights, load_weights
 from minivllm.models.registry import build_model
@@ -109,6 +112,11 @@ class ModelRunner:
             init_dummy_weights(self.model, config.seed)
         else:
             load_weights(self.model, config.model)
+        if config.attention_backend == "triton":
+            # The small ops too: fused Triton kernels instead of chains of torch kernels.
+            for module in self.model.modules():
+                if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):
+                    module.use_triton = True
         self.vocab_size = hf_config.vocab_size
         self.sampler = Sampler()
         self.backend = self._make_attention_backend()

@@ -6,9 +6,11 @@ from torch import nn
 class SiluAndMul(nn.Module):
     """silu(gate) * up, for a packed [gate | up] input."""
 
+    use_triton = False  # set by the model runner with the Triton attention backend
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            from minivllm.kernels import fused_ops  # Triton: GPU only
+        if self.use_triton:
+            from minivllm.kernels import fused_ops  # imported only where Triton is used
             return fused_ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

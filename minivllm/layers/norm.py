@@ -5,6 +5,8 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
+    use_triton = False  # set by the model runner with the Triton attention backend
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -18,10 +20,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """With a residual: (norm(x + residual), x + residual). On GPU one fused kernel,
+        """With a residual: (norm(x + residual), x + residual). With Triton one fused kernel,
         which writes the sum into `residual`."""
-        if x.is_cuda:
-            from minivllm.kernels import fused_ops  # Triton: GPU only
+        if self.use_triton:
+            from minivllm.kernels import fused_ops  # imported only where Triton is used
             if residual is None:
                 return fused_ops.rms_norm(x, self.weight, self.eps)
             return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)

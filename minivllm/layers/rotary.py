@@ -18,6 +18,8 @@ def rope_parameters(config: PretrainedConfig) -> dict:
 
 
 class RotaryEmbedding(nn.Module):
+    use_triton = False  # set by the model runner with the Triton attention backend
+
     def __init__(self, config: PretrainedConfig, head_dim: int, max_position: int) -> None:
         super().__init__()
         params = rope_parameters(config)
@@ -38,9 +40,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [N, Hq, D], k [N, Hkv, D] -> rotated (same dtype; on GPU in place, one kernel)."""
-        if q.is_cuda:
-            from minivllm.kernels import fused_ops  # Triton: GPU only
+        """q [N, Hq, D], k [N, Hkv, D] -> rotated (same dtype; with Triton in place, one kernel)."""
+        if self.use_triton:
+            from minivllm.kernels import fused_ops  # imported only where Triton is used
             return fused_ops.rotary_embedding(positions, q, k, self.cos_sin)
         cos_sin = self.cos_sin[positions]
         cos, sin = cos_sin[:, 0, None, :].to(q.dtype), cos_sin[:, 1, None, :].to(q.dtype)
