@@ -15,6 +15,8 @@
 #          measured; the first 128 drawn the same way are 66,720 tokens, ~1.8 min.
 #          Its tok/s is therefore at half W1's concurrency: not the exact W1 number.
 #   w1_8b  W1 throughput, qwen3-8b                                     (~1-2 min)
+#   kernels  attention_kernels.py, cascade_attention.py, fused_ops.py    (~2 min)
+#   profile  step_profile.py at batch 256 and 1 (host vs GPU time, top kernels)
 #
 # Environment: OUT (logs; default /tmp/gpu_check), BENCH_ARGS (extra arguments for every
 # benchmark, e.g. "--enforce-eager"), STEP_TIMEOUT (seconds per step, default 480),
@@ -36,7 +38,7 @@ mkdir -p "$OUT"
 : > "$OUT/summary.txt"
 cd "$(dirname "$0")/.."
 
-ALL_STEPS="tests w1 w2 w3 hf w1_8b"
+ALL_STEPS="tests w1 w2 w3 hf w1_8b kernels profile"
 [[ "$GPU_CHECK" == all ]] && GPU_CHECK="${ALL_STEPS// /,}"
 failed=0
 
@@ -80,6 +82,13 @@ for step in ${GPU_CHECK//,/ }; do
         w3)    bench w3 prefix_cache.py --model qwen3-0.6b ;;
         hf)    bench hf throughput.py --model qwen3-0.6b --backend hf --num-prompts 128 ;;
         w1_8b) bench w1_8b throughput.py --model qwen3-8b ;;
+        kernels)  # kernel microbenchmarks: decode/mixed attention, cascade, fused small ops
+            run_step attention_kernels python3 benchmarks/attention_kernels.py
+            run_step cascade_attention python3 benchmarks/cascade_attention.py
+            run_step fused_ops python3 benchmarks/fused_ops.py ;;
+        profile)  # where a decode step's time goes (host vs GPU, top kernels)
+            run_step profile_b256 python3 benchmarks/step_profile.py --batch 256 --context 1000
+            run_step profile_b1 python3 benchmarks/step_profile.py --batch 1 --context 1000 ;;
         *) echo "unknown step '$step' (steps: $ALL_STEPS)"; failed=1 ;;
     esac
 done
