@@ -55,3 +55,23 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFac
         return built[key]
 
     return factory
+
+
+@pytest.fixture
+def cascade_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Cascade attention enabled for small test batches (2+ sequences sharing 16+ tokens);
+    the returned list grows by one on every cascade kernel call."""
+    import minivllm.attention.triton_backend as triton_backend
+    from minivllm.executor import model_runner
+
+    monkeypatch.setattr(model_runner, "CASCADE_MIN_PREFIX_TOKENS", 16)
+    monkeypatch.setattr(model_runner, "CASCADE_MIN_SEQS", 2)
+    calls: list[int] = []
+    original = triton_backend.paged_attention_decode_shared_prefix
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "paged_attention_decode_shared_prefix", spy)
+    return calls

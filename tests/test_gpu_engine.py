@@ -89,24 +89,12 @@ def test_full_length_sequence_under_cuda_graphs(tiny_model_factory) -> None:
         assert_greedy_matches_hf(model_dir, [prompt], [tokens], 64 - len(prompt))
 
 
-def test_cascade_attention_for_a_shared_prefix(tiny_model_factory, monkeypatch: pytest.MonkeyPatch) -> None:
-    import minivllm.attention.triton_backend as triton_backend
-    from minivllm.executor import model_runner
-
-    monkeypatch.setattr(model_runner, "CASCADE_MIN_PREFIX_TOKENS", 16)
-    calls = []
-    original = triton_backend.paged_attention_decode_shared_prefix
-
-    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(triton_backend, "paged_attention_decode_shared_prefix", spy)
+def test_cascade_attention_for_a_shared_prefix(tiny_model_factory, cascade_calls: list[int]) -> None:
     model_dir = tiny_model_factory("Qwen3ForCausalLM")
     shared = mixed_prompts(vocab(model_dir), seed=13)[-2][:40]  # five 8-token blocks
     prompts = [shared + [3 + i, 50 + i] for i in range(10)]
     llm = gpu_llm(model_dir)
     llm.generate({"prompt_token_ids": shared + [1]}, SamplingParams(max_tokens=1), use_tqdm=False)  # cache it
     outputs = run(llm, prompts, max_tokens=12)
-    assert calls, "the cascade path was not taken"
+    assert cascade_calls, "the cascade path was not taken"
     assert_greedy_matches_hf(model_dir, prompts, outputs, max_tokens=12)

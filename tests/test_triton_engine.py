@@ -32,23 +32,10 @@ def test_chunked_prefill_and_decode_match_hf(model_dir: str) -> None:
     assert greedy_outputs(llm, prompts, 6) == [hf_greedy(model_dir, p, 6)[0] for p in prompts]
 
 
-def test_cascade_attention_for_a_shared_prefix(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import minivllm.attention.triton_backend as triton_backend
-    from minivllm.executor import model_runner
-
-    monkeypatch.setattr(model_runner, "CASCADE_MIN_PREFIX_TOKENS", 16)
-    monkeypatch.setattr(model_runner, "CASCADE_MIN_SEQS", 2)
-    calls = []
-    original = triton_backend.paged_attention_decode_shared_prefix
-
-    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(triton_backend, "paged_attention_decode_shared_prefix", spy)
+def test_cascade_attention_for_a_shared_prefix(model_dir: str, cascade_calls: list[int]) -> None:
     rng = random.Random(2)
     shared = [rng.randrange(3, 700) for _ in range(40)]  # five 8-token blocks
     prompts = [shared + [rng.randrange(3, 700) for _ in range(n)] for n in (1, 4, 9)]
     llm = LLM(model_dir, dtype="float32", max_model_len=96, block_size=8, attention_backend="triton")
     assert greedy_outputs(llm, prompts, 6) == [hf_greedy(model_dir, p, 6)[0] for p in prompts]
-    assert calls, "the cascade path was not taken"
+    assert cascade_calls, "the cascade path was not taken"
