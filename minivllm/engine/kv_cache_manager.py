@@ -38,26 +38,28 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
 
+    def _block_tokens(self, seq: Sequence, index: int) -> list[int]:
+        """The token ids of seq's block number `index`."""
+        return seq.token_ids[index * self.block_size:(index + 1) * self.block_size]
+
     def _full_block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The chained hashes of seq's first num_blocks full blocks (memoised on the sequence)."""
-        bs = self.block_size
         while len(seq.block_hashes) < num_blocks:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if i else b""
-            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]))
+            seq.block_hashes.append(hash_block(parent, self._block_tokens(seq, i)))
         return seq.block_hashes[:num_blocks]
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix of seq, always leaving one token to compute."""
         if not self.enable_prefix_caching:
             return []
-        bs = self.block_size
         # The last token must be computed to produce logits, so it never comes from the cache.
-        max_blocks = (seq.num_tokens - 1) // bs
+        max_blocks = (seq.num_tokens - 1) // self.block_size
         hits = []
         for i, block_hash in enumerate(self._full_block_hashes(seq, max_blocks)):
             block_id = self.cached_blocks.get(block_hash)
-            if block_id is None or self.block_token_ids[block_id] != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
+            if block_id is None or self.block_token_ids[block_id] != tuple(self._block_tokens(seq, i)):
                 break
             hits.append(block_id)
         return hits
@@ -125,7 +127,7 @@ class KVCacheManager:
             if self.block_hashes[block_id] is None and block_hash not in self.cached_blocks:
                 self.cached_blocks[block_hash] = block_id
                 self.block_hashes[block_id] = block_hash
-                self.block_token_ids[block_id] = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                self.block_token_ids[block_id] = tuple(self._block_tokens(seq, i))
 
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks. Its last blocks are queued for eviction first, so shared
