@@ -11,10 +11,16 @@ def load_hf_model(model_dir: str) -> PreTrainedModel:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-@torch.no_grad()
 def hf_greedy(model_dir: str, prompt_token_ids: list[int], max_tokens: int
               ) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy tokens (never stopping at EOS) and the log-softmax at each generated position."""
+    return _hf_greedy(model_dir, tuple(prompt_token_ids), max_tokens)
+
+
+@functools.lru_cache(maxsize=4096)  # tests ask for the same continuation many times
+@torch.no_grad()
+def _hf_greedy(model_dir: str, prompt_token_ids: tuple[int, ...], max_tokens: int
+               ) -> tuple[list[int], list[torch.Tensor]]:
     model = load_hf_model(model_dir)
     ids = list(prompt_token_ids)
     tokens, logprobs = [], []
