@@ -193,3 +193,22 @@ def test_gpu_cascade_layouts(gqa, head_dim, block_size):
                          torch.bfloat16, seed=gqa)
     for prefix_splits, suffix_splits in [(1, 1), (4, 3)]:
         batch.check(batch.cascade(prefix_splits=prefix_splits, suffix_splits=suffix_splits))
+
+
+def test_warm_up_runs_every_row_tile_size_and_leaves_the_cache_alone(monkeypatch) -> None:
+    """The start-up warm-up launches the cascade once per BLOCK_M a batch can use."""
+    tile_sizes: list[int] = []
+    launch = pa._launch_decode_split
+
+    def spy(*args, **kwargs) -> None:
+        if args[8] is not None:  # prefix_block_ids: the shared-prefix launch
+            tile_sizes.append(args[-1]["BLOCK_M"])
+        launch(*args, **kwargs)
+
+    monkeypatch.setattr(pa, "_launch_decode_split", spy)
+    batch = CascadeBatch([1], 1, 8, 4, 2, 32, torch.float32)
+    k_before, v_before = batch.k_cache.clone(), batch.v_cache.clone()
+    # GQA 2: up to 40 rows per KV head -> tiles of 16, 32 and 64 rows.
+    TritonAttentionBackend().warm_up_shared_prefix((4, 32), torch.float32, batch.k_cache, batch.v_cache, 20)
+    assert sorted(tile_sizes) == [16, 32, 64]
+    assert torch.equal(batch.k_cache, k_before) and torch.equal(batch.v_cache, v_before)

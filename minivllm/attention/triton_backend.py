@@ -151,6 +151,30 @@ class TritonAttentionBackend:
             prefix_splits=prefix_splits, suffix_splits=suffix_splits,
             part_out=part_out, part_lse=part_lse, prefix_config=prefix_cfg)
 
+    def warm_up_shared_prefix(self, q_shape: tuple[int, int], dtype: torch.dtype, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, max_num_seqs: int) -> None:
+        """Compile the cascade kernels at start-up for every row-tile size a batch of up to
+        max_num_seqs can use: a compilation inside a step stalls it for about a second.
+        q_shape: (num_q_heads, head_dim). Reads block 0 of the cache, writes nothing to it."""
+        num_q_heads, head_dim = q_shape
+        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        gqa = num_q_heads // num_kv_heads
+        device = k_cache.device
+        batch_for_tile = {}  # BLOCK_M -> a batch size that uses it
+        for num_seqs in range(1, max_num_seqs + 1):
+            block_m = shared_prefix_config(head_dim, dtype, num_seqs * gqa)["BLOCK_M"]
+            batch_for_tile.setdefault(block_m, num_seqs)
+        for num_seqs in batch_for_tile.values():
+            meta = AttentionMetadata(
+                query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
+                seq_lens=torch.full((num_seqs,), block_size + 1, dtype=torch.int32, device=device),
+                block_tables=torch.zeros((num_seqs, 2), dtype=torch.int32, device=device),
+                slot_mapping=torch.full((num_seqs,), -1, dtype=torch.int64, device=device),
+                max_query_len=1, max_seq_len=block_size + 1)
+            meta.shared_prefix_blocks = meta.block_tables[0, :1]
+            q = torch.zeros(num_seqs, num_q_heads, head_dim, dtype=dtype, device=device)
+            self.attend(q, k_cache, v_cache, meta, 1.0)
+
     # -- helpers -------------------------------------------------------------------------
     def _sm_count(self, device: torch.device) -> int:
         if self._num_sms is None:

@@ -130,6 +130,11 @@ class ModelRunner:
         self._sampled_host = [torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
                               for _ in range(2)]
         self._token_buffer = 0
+        if self.device.type == "cuda" and config.attention_backend == "triton" \
+                and config.max_num_seqs >= CASCADE_MIN_SEQS:
+            attn = self.model.attention_layers()[0]
+            self.backend.warm_up_shared_prefix((attn.num_heads, attn.head_dim), self.dtype, attn.k_cache,
+                                               attn.v_cache, config.max_num_seqs)
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and config.attention_backend == "triton":
             self.decode_graphs = DecodeGraphs(self.model, self.buffers, config.max_num_seqs, config.max_model_len)

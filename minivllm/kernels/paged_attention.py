@@ -10,7 +10,7 @@ softmax update, weighted sum of values, all accumulated in fp32):
 
 * `paged_attention_decode` - decode-only batches (every query length 1), the hot path that
   runs inside CUDA graphs. Flash-decoding: each (sequence, KV head) context is split into
-  NUM_SPLITS contiguous ranges handled by separate programs, so that small batches still
+  num_splits contiguous ranges handled by separate programs, so that small batches still
   fill the GPU; a second kernel merges the partial results through their log-sum-exps.
   The query heads of a GQA group form the rows of one tile (padded to 16, the smallest
   tl.dot M) so the scores and the value sum run on tensor cores and K/V are read once.
@@ -125,10 +125,11 @@ def _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit(do_not_specialize=["num_seqs", "tile_offset"])
+@triton.jit(do_not_specialize=["first_seq", "num_seqs", "tile_offset"])
 def _mixed_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    first_seq,  # sequences before this one are not this launch's
     num_seqs,
     tile_offset,  # number of the first tile (query_start_loc[0] // BLOCK_Q)
     scale_log2,
@@ -147,6 +148,11 @@ def _mixed_attention_kernel(
     # Tile rows are (query token, head of the GQA group) pairs: row r is token r // GQA_PAD,
     # head kv_head * GQA + r % GQA_PAD, so one K/V tile serves the whole group.
     BLOCK_M: tl.constexpr = BLOCK_Q * GQA_PAD
+    # Offsets applied here, not by slicing on the host: a sliced pointer's alignment would
+    # be specialised on, a fresh compilation for each.
+    query_start_loc_ptr += first_seq
+    seq_lens_ptr += first_seq
+    block_tables_ptr += first_seq.to(tl.int64) * stride_bt
     # Launch the last tiles first: late tiles of long prompts see the most keys, and
     # starting the longest work first evens out the tail of the launch.
     tile = tile_offset + tl.num_programs(0) - 1 - tl.program_id(0)
@@ -202,12 +208,14 @@ def _mixed_attention_kernel(
 # ----------------------------------------------------------------------------------------
 # Decode: split-KV (flash-decoding) + reduce, and cascade (shared-prefix) decode
 # ----------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["num_seqs", "num_prefix_blocks"])
+# Split counts are runtime arguments (not specialised): the engine's counts follow the batch
+# and its lengths, and every distinct compile-time value would be a fresh compilation.
+@triton.jit(do_not_specialize=["num_seqs", "num_prefix_blocks", "num_splits", "part_offset", "num_parts"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr,
-    out_ptr,  # [B, Hq, D], written directly when NUM_PARTS == 1
-    part_out_ptr,  # [B, Hq, NUM_PARTS, D] fp32: each part's normalised output
-    part_lse_ptr,  # [B, Hq, NUM_PARTS] fp32: each part's log2-sum-exp2 of scores
+    out_ptr,  # [B, Hq, D], written directly when num_parts == 1
+    part_out_ptr,  # [B, Hq, num_parts, D] fp32: each part's normalised output
+    part_lse_ptr,  # [B, Hq, num_parts] fp32: each part's log2-sum-exp2 of scores
     seq_lens_ptr, block_tables_ptr,
     prefix_ids_ptr,  # [num_prefix_blocks] int32, the shared prefix's blocks (SHARED_PREFIX)
     num_seqs,
@@ -218,14 +226,14 @@ def _decode_split_kernel(
     stride_on, stride_oh,
     stride_cb, stride_cs, stride_ch,
     stride_bt,
+    num_splits,  # programs along the keys of one context
+    part_offset,  # this launch's splits are workspace parts part_offset..
+    num_parts,  # parts per (sequence, head) row that the reduce merges
     GQA: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query rows per program (a power of two >= 16, the tl.dot M)
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,  # programs along the keys of one context
-    PART_OFFSET: tl.constexpr,  # this launch's splits are workspace parts PART_OFFSET..
-    NUM_PARTS: tl.constexpr,  # parts per (sequence, head) row that the reduce merges
     SHARED_PREFIX: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -258,7 +266,7 @@ def _decode_split_kernel(
     # very last tile needs masks). Real lengths come from the device, the split count from
     # the launch: short contexts leave their last splits empty.
     # (Ceiling divisions are spelled out: tl.cdiv is a jitted call, slow in the interpreter.)
-    tiles_per_split = ((kv_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N
+    tiles_per_split = ((kv_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N
     split_len = tiles_per_split * BLOCK_N
     num_keys = tl.maximum(tl.minimum(kv_len - split * split_len, split_len), 0)
 
@@ -287,42 +295,52 @@ def _decode_split_kernel(
     # and lse = -inf so the reduce gives it no weight.
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    if NUM_PARTS == 1:
+    if num_parts == 1:
         o_offs = seq.to(tl.int64) * stride_on + head * stride_oh
         tl.store(out_ptr + o_offs[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=row_valid[:, None])
     else:
-        part = (seq * num_q_heads + head) * NUM_PARTS + PART_OFFSET + split  # [BLOCK_M] rows
+        part = (seq * num_q_heads + head) * num_parts + part_offset + split  # [BLOCK_M] rows
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out,
                  mask=row_valid[:, None])
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         tl.store(part_lse_ptr + part, lse, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_parts"])
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     num_q_heads,
     stride_on, stride_oh,
+    num_parts,  # parts per (sequence, head): splits, or prefix + suffix splits
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,  # parts per (sequence, head): splits, or prefix + suffix splits
-    SPLITS_PAD: tl.constexpr,
+    PARTS_PER_STEP: tl.constexpr,
 ):
     # One program per (sequence, query head): out = sum_s w_s * o_s / sum_s w_s with
     # w_s = 2 ** (lse_s - max lse): the parts' softmaxes rescaled to a common maximum.
+    # Two passes over the parts, PARTS_PER_STEP at a time: the maximum, then the sums.
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_PAD)
-    valid = splits < NUM_SPLITS
-    part = (seq * num_q_heads + head) * NUM_SPLITS + splits
-    lse = tl.load(part_lse_ptr + part, mask=valid, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
+    first_part = (seq * num_q_heads + head) * num_parts
+    steps = tl.arange(0, PARTS_PER_STEP)
+    lse_max = tl.full([], float("-inf"), tl.float32)
+    for start in range(0, num_parts, PARTS_PER_STEP):
+        lse = tl.load(part_lse_ptr + first_part + start + steps, mask=start + steps < num_parts,
+                      other=float("-inf"))
+        lse_max = tl.maximum(lse_max, tl.max(lse, 0))
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # every split empty (seq_len 0)
-    w = tl.exp2(lse - lse_max)
     offs_d = tl.arange(0, HEAD_DIM)
-    o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=valid[:, None], other=0.0)
-    den = tl.sum(w, 0)
-    out = tl.sum(o * w[:, None], 0) / tl.where(den == 0.0, 1.0, den)
+    den = tl.zeros([PARTS_PER_STEP], tl.float32)
+    acc = tl.zeros([PARTS_PER_STEP, HEAD_DIM], tl.float32)
+    for start in range(0, num_parts, PARTS_PER_STEP):
+        valid = start + steps < num_parts
+        part = first_part + start + steps
+        w = tl.exp2(tl.load(part_lse_ptr + part, mask=valid, other=float("-inf")) - lse_max)
+        o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=valid[:, None], other=0.0)
+        den += w
+        acc += o * w[:, None]
+    total = tl.sum(den, 0)
+    out = tl.sum(acc, 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + seq.to(tl.int64) * stride_on + head * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty))
 
@@ -418,7 +436,8 @@ def paged_attention_mixed(
     grid = (num_tokens // block_q + num_seqs - tile_offset, num_kv_heads)
     _mixed_attention_kernel[grid](
         q, k_cache, v_cache, out,
-        query_start_loc[first_seq:], seq_lens[first_seq:], block_tables[first_seq:],
+        query_start_loc, seq_lens, block_tables,
+        first_seq,
         num_seqs,
         tile_offset,
         scale * LOG2E,
@@ -516,7 +535,7 @@ def paged_attention_decode(
     if num_splits > 1:
         part_out, part_lse = _decode_workspace(part_out, part_lse, num_seqs * num_q_heads * num_splits, q)
     else:
-        part_out = part_lse = out  # not touched by the kernel when NUM_PARTS == 1
+        part_out = part_lse = out  # not touched by the kernel when num_parts == 1
     _launch_decode_split(q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables,
                          None, 0, scale, num_splits, 0, num_splits, cfg)
     if num_splits > 1:
@@ -579,14 +598,14 @@ def _launch_decode_split(
         out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
+        num_splits,
+        part_offset,
+        num_parts,
         GQA=gqa,
         BLOCK_M=block_m,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_N=cfg["BLOCK_N"],
-        NUM_SPLITS=num_splits,
-        PART_OFFSET=part_offset,
-        NUM_PARTS=num_parts,
         SHARED_PREFIX=shared,
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg["num_warps"],
@@ -600,9 +619,9 @@ def _launch_decode_reduce(part_out, part_lse, out, num_parts: int) -> None:
         part_out, part_lse, out,
         num_q_heads,
         out.stride(0), out.stride(1),
+        num_parts,
         HEAD_DIM=head_dim,
-        NUM_SPLITS=num_parts,
-        SPLITS_PAD=max(2, triton.next_power_of_2(num_parts)),
+        PARTS_PER_STEP=8,
         num_warps=4,
     )
 

@@ -27,16 +27,18 @@ class RotaryEmbedding(nn.Module):
         if rope_type in _UNSUPPORTED_ROPE_TYPES or (rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS):
             raise ValueError(f"rope_type {rope_type!r} is not supported; supported: default, "
                              f"{', '.join(sorted(set(ROPE_INIT_FUNCTIONS) - _UNSUPPORTED_ROPE_TYPES))}.")
+        # Computed on the CPU, as Hugging Face computes it, whatever the default device.
+        cpu = torch.device("cpu")
         if rope_type == "default":
-            inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-            scaling = 1.0
+            exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device=cpu) / head_dim
+            inv_freq, scaling = 1.0 / (params["rope_theta"] ** exponents), 1.0
         else:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-        freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, cpu)
+        freqs = torch.arange(max_position, dtype=torch.float, device=cpu)[:, None] * inv_freq[None, :]
         angles = torch.cat([freqs, freqs], dim=-1)
         # [max_position, 2, head_dim]: cos and sin per position, kept in float32.
-        self.register_buffer("cos_sin", torch.stack([angles.cos() * scaling, angles.sin() * scaling], 1),
-                             persistent=False)
+        cos_sin = torch.stack([angles.cos() * scaling, angles.sin() * scaling], 1)
+        self.register_buffer("cos_sin", cos_sin.to(torch.get_default_device()), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
