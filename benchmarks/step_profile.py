@@ -6,6 +6,7 @@ per step (engine.step minus the wait for the device), and the CUDA kernel time p
 from torch.profiler.
 
     python benchmarks/step_profile.py --model qwen3-0.6b --batch 256 --context 1000
+    python benchmarks/step_profile.py --batch 256 --shared-prefix 2048 --context 64   # W3's decode
 """
 
 import argparse
@@ -28,6 +29,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="tokens every prompt starts with (before its own --context tokens)")
+    parser.add_argument("--cprofile", action="store_true", help="also print the host's top functions")
     args = parser.parse_args()
     from minivllm import SamplingParams
 
@@ -35,9 +39,10 @@ def main() -> None:
     llm, _ = make_llm(args, spec, max_num_seqs=max(args.batch, 1))
     engine = llm.llm_engine
     rng = random.Random(0)
+    prefix = random_prompt(rng, args.shared_prefix, spec.vocab_size) if args.shared_prefix else []
     params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=10 * args.steps + 100)
     for i in range(args.batch):
-        engine.add_request(f"p{i}", {"prompt_token_ids": random_prompt(rng, args.context, spec.vocab_size)}, params)
+        engine.add_request(f"p{i}", {"prompt_token_ids": prefix + random_prompt(rng, args.context, spec.vocab_size)}, params)
     while engine.scheduler.waiting or any(s.num_output_tokens < 2 for s in engine.scheduler.running):
         engine.step()
     for _ in range(5):
@@ -68,10 +73,18 @@ def main() -> None:
         synchronize()
     events = prof.key_averages()
     gpu_us = sum(e.device_time_total for e in events) / args.steps
-    print(f"== step profile: batch {args.batch}, context ~{args.context}")
+    print(f"== step profile: batch {args.batch}, context ~{args.context}, shared prefix {args.shared_prefix}")
     print(f"wall per step {wall * 1e3:.3f} ms | host per step (not waiting) {host * 1e3:.3f} ms | "
           f"GPU kernels per step {gpu_us / 1e3:.3f} ms")
     print(prof.key_averages().table(sort_by="device_time_total", row_limit=12, max_name_column_width=60))
+    if args.cprofile:
+        import cProfile
+        import pstats
+        with cProfile.Profile() as host_profile:
+            for _ in range(args.steps):
+                engine.step()
+            synchronize()
+        pstats.Stats(host_profile).sort_stats("cumulative").print_stats(25)
     for request_id in list(engine.requests):
         engine.abort_request(request_id)
 

@@ -52,7 +52,7 @@ class CascadeBatch:
         self.v_cache = torch.randn(shape, generator=g).to(dtype).to(DEVICE)
         self.q = torch.randn(len(suffix_lens), num_q_heads, head_dim, generator=g).to(dtype).to(DEVICE)
         self.block_tables = table.to(DEVICE)
-        self.prefix_block_ids = torch.tensor(prefix, dtype=torch.int32, device=DEVICE)
+        self.num_prefix_blocks = torch.tensor([num_prefix_blocks], dtype=torch.int32, device=DEVICE)
         self.seq_lens = torch.tensor(self.seq_lens_cpu, dtype=torch.int32, device=DEVICE)
         self.scale = head_dim ** -0.5
         self.dtype = dtype
@@ -65,12 +65,12 @@ class CascadeBatch:
             seq_lens=self.seq_lens, block_tables=self.block_tables,
             slot_mapping=torch.full((num_seqs,), -1, dtype=torch.int64, device=DEVICE),
             max_query_len=1, max_seq_len=max(self.seq_lens_cpu),
-            shared_prefix_blocks=self.prefix_block_ids)
+            num_shared_prefix_blocks=self.num_prefix_blocks)
 
     def cascade(self, **kwargs) -> torch.Tensor:
         return pa.paged_attention_decode_shared_prefix(
             self.q, self.k_cache, self.v_cache, self.seq_lens, self.block_tables,
-            self.prefix_block_ids, self.scale, **kwargs)
+            self.num_prefix_blocks, self.scale, **kwargs)
 
     def plain(self, num_splits: int = 1) -> torch.Tensor:
         return pa.paged_attention_decode(self.q, self.k_cache, self.v_cache, self.seq_lens,
@@ -146,7 +146,7 @@ def test_empty_prefix_is_plain_decode():
 
 
 def test_backend_takes_cascade_path(monkeypatch):
-    """attend() sends a decode-only step with meta.shared_prefix_blocks to the cascade
+    """attend() sends a decode-only step with meta.num_shared_prefix_blocks to the cascade
     (and without it, to the plain kernel)."""
     batch = CascadeBatch([1, 30, 7, 50], 3, 16, 4, 2, 64, torch.float16, seed=7)
     meta = batch.meta()
@@ -157,7 +157,7 @@ def test_backend_takes_cascade_path(monkeypatch):
     backend = TritonAttentionBackend()
     batch.check(backend.attend(batch.q, batch.k_cache, batch.v_cache, meta, batch.scale))
     assert len(calls) == 1
-    meta.shared_prefix_blocks = None
+    meta.num_shared_prefix_blocks = None
     batch.check(backend.attend(batch.q, batch.k_cache, batch.v_cache, meta, batch.scale))
     assert len(calls) == 1
 
@@ -201,7 +201,7 @@ def test_warm_up_runs_every_row_tile_size_and_leaves_the_cache_alone(monkeypatch
     launch = pa._launch_decode_split
 
     def spy(*args, **kwargs) -> None:
-        if args[8] is not None:  # prefix_block_ids: the shared-prefix launch
+        if args[8] == pa.DECODE_SHARED_PREFIX:  # mode
             tile_sizes.append(args[-1]["BLOCK_M"])
         launch(*args, **kwargs)
 

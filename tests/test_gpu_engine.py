@@ -89,12 +89,24 @@ def test_full_length_sequence_under_cuda_graphs(tiny_model_factory) -> None:
         assert_greedy_matches_hf(model_dir, [prompt], [tokens], 64 - len(prompt))
 
 
-def test_cascade_attention_for_a_shared_prefix(tiny_model_factory, cascade_calls: list[int]) -> None:
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_cascade_attention_for_a_shared_prefix(tiny_model_factory, cascade_calls: list[int],
+                                               monkeypatch: pytest.MonkeyPatch, enforce_eager: bool) -> None:
+    from minivllm.executor.cuda_graphs import DecodeGraphs
+
+    replays: list[bool] = []  # the cascade flag of every graph replay
+    real_replay = DecodeGraphs.replay
+    monkeypatch.setattr(DecodeGraphs, "replay", lambda self, size, cascade: replays.append(cascade)
+                        or real_replay(self, size, cascade))
     model_dir = tiny_model_factory("Qwen3ForCausalLM")
     shared = mixed_prompts(vocab(model_dir), seed=13)[-2][:40]  # five 8-token blocks
     prompts = [shared + [3 + i, 50 + i] for i in range(10)]
-    llm = gpu_llm(model_dir)
+    llm = gpu_llm(model_dir, enforce_eager=enforce_eager)
     llm.generate({"prompt_token_ids": shared + [1]}, SamplingParams(max_tokens=1), use_tqdm=False)  # cache it
+    cascade_calls.clear()  # (start-up compiles and captures the cascade kernels)
     outputs = run(llm, prompts, max_tokens=12)
-    assert cascade_calls, "the cascade path was not taken"
+    if enforce_eager:
+        assert cascade_calls and not replays, "the cascade path was not taken eagerly"
+    else:
+        assert any(replays), "no cascade graph was replayed"
     assert_greedy_matches_hf(model_dir, prompts, outputs, max_tokens=12)

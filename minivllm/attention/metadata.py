@@ -26,11 +26,12 @@ class AttentionMetadata:
     # replays change the device values without the host knowing.
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
-    # Decode-only steps: block ids that begin every sequence's block table (a prefix the
-    # whole batch shares, as prefix caching leaves it), 1-D int32 on the device; the
-    # runner fills it so that attention reads the shared prefix once per tile of queries
-    # (cascade decode) instead of once per sequence. None: no shared prefix used.
-    shared_prefix_blocks: torch.Tensor | None = None
+    # Decode-only steps whose sequences' block tables all begin with the same blocks (a
+    # prefix the whole batch shares, as prefix caching leaves it): how many, as a 1-element
+    # int32 tensor on the device, so that attention reads the shared prefix once per tile of
+    # queries (cascade decode) instead of once per sequence. On the device so that one CUDA
+    # graph serves any prefix. None: no shared prefix used.
+    num_shared_prefix_blocks: torch.Tensor | None = None
 
     @property
     def is_decode_only(self) -> bool:

@@ -11,9 +11,9 @@ sizes come from tensor shapes and meta.max_seq_len only (under graphs pass max_m
 max_seq_len), real lengths are read from meta.seq_lens on the device.
 
 Decode-only steps whose sequences all begin with the same blocks take the cascade kernels
-when the runner sets meta.shared_prefix_blocks: the shared prefix is read once per tile of
-queries instead of once per sequence. That path is eager only (its split counts follow the
-batch and its workspace may grow).
+when the runner sets meta.num_shared_prefix_blocks: the shared prefix is read once per tile
+of queries instead of once per sequence. Also capturable: the prefix length is read on the
+device, split counts follow meta.max_seq_len.
 """
 
 import torch
@@ -68,8 +68,13 @@ class TritonAttentionBackend:
             num_sms = self._sm_count(device)
             # Over all batch sizes the split heuristic can see (max_seq_len unbounded),
             # the largest batch * splits product bounds every decode step's workspace.
+            # A cascade step adds the prefix splits, most with the fewest row tiles: tiles of
+            # 128 rows, the largest shared_prefix_config() picks.
+            gqa = num_q_heads // num_kv_heads
             rows = max(
-                b * decode_num_splits(b, num_kv_heads, 1 << 30, num_sms, max_splits)
+                b * (decode_num_splits(b, num_kv_heads, 1 << 30, num_sms, max_splits)
+                     + shared_prefix_num_splits(triton.cdiv(b * gqa, 128), num_kv_heads, 1 << 30, num_sms,
+                                                max_splits))
                 for b in range(1, max_num_seqs + 1)
             ) * num_q_heads
             self._alloc_workspace(rows, head_dim, device)
@@ -94,7 +99,7 @@ class TritonAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         if meta.is_decode_only:
-            if meta.shared_prefix_blocks is not None:
+            if meta.num_shared_prefix_blocks is not None:
                 return self._decode_shared_prefix(q, k_cache, v_cache, meta, scale)
             return self._decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables,
                                 meta.max_seq_len, scale)
@@ -131,23 +136,21 @@ class TritonAttentionBackend:
 
     def _decode_shared_prefix(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         """Cascade decode: the shared prefix once per tile of queries, then each sequence's
-        own keys, merged. Eager only (the workspace may grow; split counts follow the batch)."""
+        own keys, merged. The prefix length is on the device: split counts are chosen for
+        contexts up to meta.max_seq_len (splits past the real lengths stay empty)."""
         num_seqs, num_q_heads, head_dim = q.shape
-        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-        prefix_len = meta.shared_prefix_blocks.shape[0] * block_size
+        num_kv_heads = k_cache.shape[2]
         num_sms = self._sm_count(q.device)
         num_rows = num_seqs * (num_q_heads // num_kv_heads)  # (sequence, head) rows per KV head
         prefix_cfg = shared_prefix_config(head_dim, q.dtype, num_rows)
         num_row_tiles = triton.cdiv(num_rows, prefix_cfg["BLOCK_M"])
-        prefix_splits = shared_prefix_num_splits(num_row_tiles, num_kv_heads, prefix_len, num_sms,
+        prefix_splits = shared_prefix_num_splits(num_row_tiles, num_kv_heads, meta.max_seq_len, num_sms,
                                                  self.max_splits)
-        # The suffix kernel sees only the sequences' own keys: split by their longest length.
-        suffix_splits = decode_num_splits(num_seqs, num_kv_heads, meta.max_seq_len - prefix_len,
-                                          num_sms, self.max_splits)
+        suffix_splits = decode_num_splits(num_seqs, num_kv_heads, meta.max_seq_len, num_sms, self.max_splits)
         part_out, part_lse = self._workspace(
             num_seqs * num_q_heads * (prefix_splits + suffix_splits), head_dim, q.device)
         return paged_attention_decode_shared_prefix(
-            q, k_cache, v_cache, meta.seq_lens, meta.block_tables, meta.shared_prefix_blocks, scale,
+            q, k_cache, v_cache, meta.seq_lens, meta.block_tables, meta.num_shared_prefix_blocks, scale,
             prefix_splits=prefix_splits, suffix_splits=suffix_splits,
             part_out=part_out, part_lse=part_lse, prefix_config=prefix_cfg)
 
@@ -171,7 +174,7 @@ class TritonAttentionBackend:
                 block_tables=torch.zeros((num_seqs, 2), dtype=torch.int32, device=device),
                 slot_mapping=torch.full((num_seqs,), -1, dtype=torch.int64, device=device),
                 max_query_len=1, max_seq_len=block_size + 1)
-            meta.shared_prefix_blocks = meta.block_tables[0, :1]
+            meta.num_shared_prefix_blocks = torch.ones(1, dtype=torch.int32, device=device)
             q = torch.zeros(num_seqs, num_q_heads, head_dim, dtype=dtype, device=device)
             self.attend(q, k_cache, v_cache, meta, 1.0)
 

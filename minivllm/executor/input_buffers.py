@@ -20,6 +20,8 @@ _FIELDS = {
     # Rows of input_ids whose token is still pending, and their rows in the last step's output.
     "pending_dst": torch.int64,
     "pending_src": torch.int64,
+    # Decode steps taking cascade attention: blocks every block table starts with.
+    "num_shared_prefix_blocks": torch.int32,
 }
 
 
@@ -29,7 +31,7 @@ class InputBuffers:
         shapes = {"input_ids": (max_tokens,), "positions": (max_tokens,), "slot_mapping": (max_tokens,),
                   "query_start_loc": (max_seqs + 1,), "seq_lens": (max_seqs,),
                   "block_tables": (max_seqs, max_blocks_per_seq), "logits_indices": (max_seqs,),
-                  "pending_dst": (max_seqs,), "pending_src": (max_seqs,)}
+                  "pending_dst": (max_seqs,), "pending_src": (max_seqs,), "num_shared_prefix_blocks": (1,)}
         num_sets = 2 if self.on_gpu else 1
         self._host_sets = [{name: torch.zeros(shape, dtype=_FIELDS[name], pin_memory=self.on_gpu)
                             for name, shape in shapes.items()} for _ in range(num_sets)]

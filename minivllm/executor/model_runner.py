@@ -74,7 +74,7 @@ class StepInputs:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     graph_size: int | None  # run as the decode CUDA graph of this batch size (None: eagerly)
-    num_shared_prefix_blocks: int  # leading block-table entries every sequence shares (cascade)
+    cascade: bool  # every sequence starts with the same blocks: cascade attention
 
 
 @dataclass
@@ -287,8 +287,7 @@ class ModelRunner:
         shared_blocks = 0
         if self.config.attention_backend == "triton" and int(num_new.max()) == 1:
             shared_blocks = shared_prefix_blocks(block_tables[:num_seqs], seq_lens, bs)
-            if shared_blocks:
-                padded_size = None  # cascade attention runs eagerly (its splits follow the batch)
+            buf["num_shared_prefix_blocks"][0] = shared_blocks
         rows, tokens = num_seqs, num_tokens
         if padded_size is not None:
             rows = tokens = padded_size
@@ -299,7 +298,8 @@ class ModelRunner:
             query_start_loc[num_seqs + 1:padded_size + 1] = np.arange(num_seqs + 1, padded_size + 1)
         used_rows = {"query_start_loc": rows + 1, "seq_lens": rows, "block_tables": rows, "slot_mapping": tokens,
                      "input_ids": tokens, "positions": tokens, "logits_indices": len(logits_indices),
-                     "pending_dst": num_pending, "pending_src": num_pending}
+                     "pending_dst": num_pending, "pending_src": num_pending,
+                     "num_shared_prefix_blocks": 1 if shared_blocks else 0}
         arrays = {name: buf[name][:n] for name, n in used_rows.items()}
         # Rank 0 uploads whole block-table rows; the other ranks get only the columns in use
         # (the rest are zeros), which keeps long-context messages small.
@@ -311,7 +311,7 @@ class ModelRunner:
             query_start_loc_cpu=query_start_loc[:num_seqs + 1].tolist(),
             seq_lens_cpu=seq_lens.tolist(),
             graph_size=padded_size,
-            num_shared_prefix_blocks=shared_blocks,
+            cascade=shared_blocks > 0,
         )
 
     def _upload(self, step: StepInputs) -> ModelInputs:
@@ -328,8 +328,8 @@ class ModelRunner:
             query_start_loc_cpu=step.query_start_loc_cpu,
             seq_lens_cpu=step.seq_lens_cpu,
         )
-        if step.num_shared_prefix_blocks:
-            meta.shared_prefix_blocks = meta.block_tables[0, :step.num_shared_prefix_blocks]
+        if step.cascade:
+            meta.num_shared_prefix_blocks = upload("num_shared_prefix_blocks", 1)
         inputs = ModelInputs(
             input_ids=upload("input_ids", rows["input_ids"]),
             positions=upload("positions", rows["positions"]),
@@ -352,7 +352,7 @@ class ModelRunner:
         on other ranks, or when no row samples. Every rank runs this for every step."""
         inputs = self._upload(step)
         if step.graph_size is not None:
-            hidden = self.decode_graphs.replay(step.graph_size)
+            hidden = self.decode_graphs.replay(step.graph_size, step.cascade)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if not len(inputs.logits_indices):

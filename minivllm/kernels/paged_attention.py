@@ -208,18 +208,21 @@ def _mixed_attention_kernel(
 # ----------------------------------------------------------------------------------------
 # Decode: split-KV (flash-decoding) + reduce, and cascade (shared-prefix) decode
 # ----------------------------------------------------------------------------------------
+# _decode_split_kernel's MODE.
+DECODE_PLAIN, DECODE_SHARED_PREFIX, DECODE_OWN_KEYS = 0, 1, 2
+
+
 # Split counts are runtime arguments (not specialised): the engine's counts follow the batch
 # and its lengths, and every distinct compile-time value would be a fresh compilation.
-@triton.jit(do_not_specialize=["num_seqs", "num_prefix_blocks", "num_splits", "part_offset", "num_parts"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "part_offset", "num_parts"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr,
     out_ptr,  # [B, Hq, D], written directly when num_parts == 1
     part_out_ptr,  # [B, Hq, num_parts, D] fp32: each part's normalised output
     part_lse_ptr,  # [B, Hq, num_parts] fp32: each part's log2-sum-exp2 of scores
     seq_lens_ptr, block_tables_ptr,
-    prefix_ids_ptr,  # [num_prefix_blocks] int32, the shared prefix's blocks (SHARED_PREFIX)
+    prefix_blocks_ptr,  # [1] int32 (cascade launches): blocks every block table starts with
     num_seqs,
-    num_prefix_blocks,  # keys before num_prefix_blocks * BLOCK_SIZE are not this launch's
     scale_log2,
     num_q_heads,
     stride_qn, stride_qh,
@@ -234,24 +237,30 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SHARED_PREFIX: tl.constexpr,
+    MODE: tl.constexpr,  # DECODE_PLAIN, DECODE_SHARED_PREFIX or DECODE_OWN_KEYS
     DOT_PRECISION: tl.constexpr,
 ):
     # Three uses of one kernel (they differ only in which query rows and keys a program has):
-    # * plain decode (num_prefix_blocks == 0): rows = the GQA group of sequence program_id(0)
-    #   (padded to BLOCK_M), keys = its whole context;
-    # * suffix of a cascade: the same rows, keys num_prefix_blocks * BLOCK_SIZE .. seq_len;
-    # * SHARED_PREFIX: rows = tile program_id(0) of all B * GQA (sequence, head) pairs of
-    #   this KV head, keys = the shared prefix, read once for the whole tile instead of once
-    #   per sequence; a full tile of rows keeps the tensor cores busy.
+    # * DECODE_PLAIN: rows = the GQA group of sequence program_id(0) (padded to BLOCK_M),
+    #   keys = its whole context;
+    # * DECODE_OWN_KEYS (cascade): the same rows, keys P * BLOCK_SIZE .. seq_len, where the
+    #   first P = prefix_blocks_ptr[0] blocks of every block table are the shared prefix;
+    # * DECODE_SHARED_PREFIX (cascade): rows = tile program_id(0) of all B * GQA (sequence,
+    #   head) pairs of this KV head, keys = the shared prefix (block table row 0's first P
+    #   blocks), read once for the whole tile instead of once per sequence; a full tile of
+    #   rows keeps the tensor cores busy.
+    # P is read on the device so that a CUDA graph serves any shared prefix.
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if SHARED_PREFIX:
+    num_prefix_blocks = 0
+    if MODE != 0:  # a cascade launch
+        num_prefix_blocks = tl.load(prefix_blocks_ptr)
+    if MODE == 1:  # DECODE_SHARED_PREFIX
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_valid = rows < num_seqs * GQA
         seq = rows // GQA  # [BLOCK_M]: a sequence per row
         head = kv_head * GQA + rows % GQA
-        block_table_ptr = prefix_ids_ptr
+        block_table_ptr = block_tables_ptr
         kv_len = num_prefix_blocks * BLOCK_SIZE
     else:
         rows = tl.arange(0, BLOCK_M)
@@ -537,7 +546,7 @@ def paged_attention_decode(
     else:
         part_out = part_lse = out  # not touched by the kernel when num_parts == 1
     _launch_decode_split(q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables,
-                         None, 0, scale, num_splits, 0, num_splits, cfg)
+                         DECODE_PLAIN, None, scale, num_splits, 0, num_splits, cfg)
     if num_splits > 1:
         _launch_decode_reduce(part_out, part_lse, out, num_splits)
     return out
@@ -567,8 +576,8 @@ def _decode_workspace(part_out, part_lse, rows: int, q: torch.Tensor):
 
 def _launch_decode_split(
     q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables,
-    prefix_block_ids: torch.Tensor | None,  # given: the SHARED_PREFIX launch over these blocks
-    num_prefix_blocks: int,  # keys of the first num_prefix_blocks blocks are skipped (suffix)
+    mode: int,  # DECODE_PLAIN, DECODE_SHARED_PREFIX or DECODE_OWN_KEYS
+    prefix_blocks: torch.Tensor | None,  # [1] int32 on the device: the shared prefix's blocks (cascade)
     scale: float,
     num_splits: int,
     part_offset: int,
@@ -579,8 +588,7 @@ def _launch_decode_split(
     num_seqs, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     gqa = num_q_heads // num_kv_heads
-    shared = prefix_block_ids is not None
-    if shared:  # tiles of BLOCK_M (sequence, head) rows over all sequences
+    if mode == DECODE_SHARED_PREFIX:  # tiles of BLOCK_M (sequence, head) rows over all sequences
         block_m = cfg["BLOCK_M"]
         num_row_tiles = triton.cdiv(num_seqs * gqa, block_m)
     else:  # one sequence's GQA group per program, padded to the smallest tl.dot M
@@ -589,9 +597,8 @@ def _launch_decode_split(
     _decode_split_kernel[(num_row_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_lse,
         seq_lens, block_tables,
-        prefix_block_ids if shared else block_tables,  # (a placeholder pointer when unused)
+        seq_lens if prefix_blocks is None else prefix_blocks,  # (a placeholder pointer when unused)
         num_seqs,
-        num_prefix_blocks,
         scale * LOG2E,
         num_q_heads,
         q.stride(0), q.stride(1),
@@ -606,7 +613,7 @@ def _launch_decode_split(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_N=cfg["BLOCK_N"],
-        SHARED_PREFIX=shared,
+        MODE=mode,
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
@@ -664,7 +671,7 @@ def paged_attention_decode_shared_prefix(
     v_cache: torch.Tensor,
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
-    prefix_block_ids: torch.Tensor,
+    num_prefix_blocks: torch.Tensor,
     scale: float,
     prefix_splits: int = 1,
     suffix_splits: int = 1,
@@ -675,8 +682,9 @@ def paged_attention_decode_shared_prefix(
     suffix_config: dict | None = None,
 ) -> torch.Tensor:
     """Decode attention (as paged_attention_decode) for a batch whose sequences all start
-    with the same blocks: block_tables[b, :P] == prefix_block_ids [P] int32 for every b, and
-    seq_lens[b] >= P * block_size + 1 (at least one own token: the new one).
+    with the same P blocks, P = num_prefix_blocks[0] (a 1-element int32 tensor on the
+    device): block_tables[b, :P] == block_tables[0, :P] for every b, and seq_lens[b] >=
+    P * block_size + 1 (at least one own token: the new one) for every b with seq_lens[b] > 0.
 
     Cascade: (1) the shared prefix, for all B * GQA query rows of a KV head at once in
     tiles of BLOCK_M rows, so each prefix K/V tile is read once per row tile instead of
@@ -688,16 +696,13 @@ def paged_attention_decode_shared_prefix(
     part_out / part_lse: fp32 workspace of at least B * Hq * (prefix_splits + suffix_splits)
     * D and B * Hq * (prefix_splits + suffix_splits) elements (allocated if None).
     prefix_config overrides shared_prefix_config(), suffix_config decode_config().
-    No host synchronisation: lengths are read on the device, P from the tensor's shape.
+    No host synchronisation: P and the lengths are read on the device, so a CUDA graph of
+    this call serves any P (choose the split counts for the longest P it may see).
     """
     num_seqs, num_q_heads, head_dim = _check_decode_inputs(q, k_cache, v_cache, seq_lens, block_tables)
-    assert prefix_block_ids.dim() == 1 and prefix_block_ids.dtype == torch.int32, (
-        "prefix_block_ids must be a 1-D int32 tensor of block ids")
+    assert num_prefix_blocks.shape == (1,) and num_prefix_blocks.dtype == torch.int32, (
+        "num_prefix_blocks must be a 1-element int32 tensor")
     assert prefix_splits >= 1 and suffix_splits >= 1
-    num_prefix_blocks = prefix_block_ids.shape[0]
-    if num_prefix_blocks == 0:  # nothing shared: the plain kernel
-        return paged_attention_decode(q, k_cache, v_cache, seq_lens, block_tables, scale,
-                                      suffix_splits, out, part_out, part_lse, suffix_config)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_seqs == 0:
@@ -711,10 +716,10 @@ def paged_attention_decode_shared_prefix(
     num_parts = prefix_splits + suffix_splits
     part_out, part_lse = _decode_workspace(part_out, part_lse, num_seqs * num_q_heads * num_parts, q)
     _launch_decode_split(q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables,
-                         prefix_block_ids, num_prefix_blocks, scale, prefix_splits, 0, num_parts,
+                         DECODE_SHARED_PREFIX, num_prefix_blocks, scale, prefix_splits, 0, num_parts,
                          prefix_config)
     _launch_decode_split(q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables,
-                         None, num_prefix_blocks, scale, suffix_splits, prefix_splits, num_parts,
+                         DECODE_OWN_KEYS, num_prefix_blocks, scale, suffix_splits, prefix_splits, num_parts,
                          suffix_config)
     _launch_decode_reduce(part_out, part_lse, out, num_parts)
     return out
