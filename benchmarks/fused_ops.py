@@ -8,7 +8,8 @@ head_dim 128), bf16, for N = 1, 64, 256, 2048, 8192 tokens. Ops:
 
 * rms_norm      RMSNorm(x)                       (the first layer's input norm, q/k norms)
 * add_rms_norm  RMSNorm(x, residual)             (every other norm of a decoder layer)
-* rope          RotaryEmbedding(positions, q, k) (the Triton kernel rotates in place)
+* qk_rope_store per-head RMSNorm of q and k, RotaryEmbedding, K/V into the paged cache
+                (Qwen3's attention inputs; one Triton kernel, q rotated in place)
 * silu_and_mul  SiluAndMul(gate_up)
 
 Variants: (1) eager = minivllm/layers' torch code, (2) compile = torch.compile(dynamic=False,
@@ -18,7 +19,7 @@ flushed between calls) and, in brackets for N <= 256, do_bench_cudagraph (the ca
 captured in a CUDA graph, as a decode step replays it: no launch overhead, warm L2).
 GB/s counts the bytes an op must move (each input read once, each output written once)
 over the do_bench time. The last lines sum one decoder layer's share
-(2 add_rms_norm + rope + silu_and_mul) at N=256.
+(2 add_rms_norm + qk_rope_store + silu_and_mul) at N=256.
 """
 
 import argparse
@@ -41,10 +42,11 @@ from minivllm.layers.rotary import RotaryEmbedding  # noqa: E402
 H, INTER, HQ, HKV, D, MAX_POS, EPS = 1024, 3072, 16, 8, 128, 40960, 1e-6
 DTYPE = torch.bfloat16
 SIZES = (1, 64, 256, 2048, 8192)
-OPS = ("rms_norm", "add_rms_norm", "rope", "silu_and_mul")
+OPS = ("rms_norm", "add_rms_norm", "qk_rope_store", "silu_and_mul")
 VARIANTS = ("eager", "compile", "triton")
 GRAPH_MAX_N = 256  # larger N: no CUDA-graph column (those steps are not captured)
-LAYER_OPS = {"add_rms_norm": 2, "rope": 1, "silu_and_mul": 1}  # per decoder layer
+LAYER_OPS = {"add_rms_norm": 2, "qk_rope_store": 1, "silu_and_mul": 1}  # per decoder layer
+BLOCK_SIZE = 16
 
 
 def time_us(fn: Callable[[], object], graph: bool = True) -> tuple[float, float]:
@@ -77,15 +79,24 @@ class Layer:
     def __init__(self) -> None:
         self.norm = RMSNorm(H, EPS).to("cuda", DTYPE)
         self.norm.weight.copy_(1 + 0.1 * torch.randn(H))
+        self.head_norm = RMSNorm(D, EPS).to("cuda", DTYPE)
         self.rope = RotaryEmbedding(PretrainedConfig(rope_theta=1e6), D, MAX_POS).cuda()
         self.act = SiluAndMul()
         # One compiled callable per op; dynamic=False recompiles it for each N.
         self.compiled = {
             "rms_norm": torch.compile(lambda x: self.norm(x), dynamic=False),
             "add_rms_norm": torch.compile(lambda x, r: self.norm(x, r), dynamic=False),
-            "rope": torch.compile(lambda p, q, k: self.rope(p, q, k), dynamic=False),
+            "qk_rope_store": torch.compile(self.qk_rope_store, dynamic=False),
             "silu_and_mul": torch.compile(lambda x: self.act(x), dynamic=False),
         }
+
+    def qk_rope_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The torch layers' way: q/k norms, RoPE, then K and V written into the cache."""
+        q, k = self.rope(positions, self.head_norm(q), self.head_norm(k))
+        k_cache.view(-1, HKV, D)[slots] = k
+        v_cache.view(-1, HKV, D)[slots] = v
+        return q
 
     def ops(self, n: int) -> dict[str, tuple[dict[str, Callable[[], object]], int]]:
         """op -> ({variant: zero-argument call}, bytes the op must move)."""
@@ -93,8 +104,12 @@ class Layer:
             return torch.randn(*shape, dtype=DTYPE, device="cuda")
 
         x, residual, gate_up = rnd(n, H), rnd(n, H), rnd(n, 2 * INTER)
-        q, k = rnd(n, HQ, D), rnd(n, HKV, D)
+        q, k, v = rnd(n, HQ, D), rnd(n, HKV, D), rnd(n, HKV, D)
         positions = torch.randint(0, MAX_POS, (n,), device="cuda")
+        k_cache, v_cache = (rnd(n // BLOCK_SIZE + 1, BLOCK_SIZE, HKV, D) for _ in range(2))
+        slots = torch.randperm(k_cache.shape[0] * BLOCK_SIZE, device="cuda")[:n]
+        cache_args = (positions, q, k, v, k_cache, v_cache, slots)
+        hw = self.head_norm.weight
         w, c, e = self.norm.weight, self.compiled, DTYPE.itemsize
         return {
             "rms_norm": ({
@@ -108,11 +123,12 @@ class Layer:
                 # In place into `residual`: it drifts over the repetitions, harmlessly.
                 "triton": lambda: fused_ops.add_rms_norm(x, residual, w, EPS),
             }, 4 * n * H * e),
-            "rope": ({
-                "eager": lambda: self.rope(positions, q, k),
-                "compile": lambda: c["rope"](positions, q, k),
-                "triton": lambda: fused_ops.rotary_embedding(positions, q, k, self.rope.cos_sin),
-            }, 2 * n * (HQ + HKV) * D * e + n * (2 * D * 4 + 8)),  # q, k in and out; cos/sin rows; positions
+            "qk_rope_store": ({
+                "eager": lambda: self.qk_rope_store(*cache_args),
+                "compile": lambda: c["qk_rope_store"](*cache_args),
+                "triton": lambda: fused_ops.qk_norm_rope_store(
+                    positions, q, k, v, self.rope.cos_sin, k_cache, v_cache, slots, hw, hw, EPS),
+            }, n * (2 * HQ + 4 * HKV) * D * e + n * (2 * D * 4 + 16)),  # q in+out, k/v in+out; cos/sin; positions, slots
             "silu_and_mul": ({
                 "eager": lambda: self.act(gate_up),
                 "compile": lambda: c["silu_and_mul"](gate_up),
@@ -122,7 +138,7 @@ class Layer:
 
 
 def table(layer: Layer, peak: float) -> None:
-    print(f"\n{'op':<13}{'N':>6}  " + "".join(f"{v + ' us':>20}" for v in VARIANTS)
+    print(f"\n{'op':<14}{'N':>6}  " + "".join(f"{v + ' us':>20}" for v in VARIANTS)
           + f"{'GB/s e/c/t':>19}{'t % copy':>9}")
     per_layer = {v: [0.0, 0.0] for v in VARIANTS}
     compile_s = 0.0
@@ -146,10 +162,10 @@ def table(layer: Layer, peak: float) -> None:
             gbs = {v: nbytes / (t * 1e-6) / 1e9 for v, (t, _) in times.items()}
             cells = "".join(f"{t:9.1f} [{g:7.1f}] " if g == g else f"{t:9.1f} {'':9} "
                             for t, g in times.values())
-            print(f"{op:<13}{n:>6}  {cells}{'/'.join(f'{b:.0f}' for b in gbs.values()):>19}"
+            print(f"{op:<14}{n:>6}  {cells}{'/'.join(f'{b:.0f}' for b in gbs.values()):>19}"
                   f"{100 * gbs['triton'] * 1e9 / peak:>9.1f}", flush=True)
     print(f"\n(torch.compile took {compile_s:.1f} s over all shapes)")
-    print("per decoder layer at N=256 (2 add_rms_norm + rope + silu_and_mul), us [graph]:")
+    print("per decoder layer at N=256 (2 add_rms_norm + qk_rope_store + silu_and_mul), us [graph]:")
     for v, (t, g) in per_layer.items():
         print(f"   {v:<8}{t:8.1f} [{g:7.1f}]")
 
@@ -157,7 +173,7 @@ def table(layer: Layer, peak: float) -> None:
 def sweep(layer: Layer) -> None:
     """The Triton variant under other launch configs (monkeypatched heuristics)."""
     print("\n== sweep (triton only), do_bench us [graph]")
-    originals = (fused_ops._norm_launch_config, fused_ops._rope_num_warps, fused_ops._silu_launch_config)
+    originals = (fused_ops._norm_launch_config, fused_ops._qk_num_warps, fused_ops._silu_launch_config)
     try:
         for n in (256, 8192):
             ops = layer.ops(n)
@@ -169,10 +185,10 @@ def sweep(layer: Layer) -> None:
                     print(f"   add_rms_norm N={n:5d} BLOCK_M={block_m} warps={warps}: {t:7.1f} [{g:7.1f}]")
             fused_ops._norm_launch_config = originals[0]
             for warps in (1, 2, 4, 8):
-                fused_ops._rope_num_warps = lambda bh, d, w=warps: w
-                t, g = time_us(ops["rope"][0]["triton"], graph=n <= GRAPH_MAX_N)
-                print(f"   rope N={n:5d} warps={warps}: {t:7.1f} [{g:7.1f}]")
-            fused_ops._rope_num_warps = originals[1]
+                fused_ops._qk_num_warps = lambda bh, d, w=warps: w
+                t, g = time_us(ops["qk_rope_store"][0]["triton"], graph=n <= GRAPH_MAX_N)
+                print(f"   qk_rope_store N={n:5d} warps={warps}: {t:7.1f} [{g:7.1f}]")
+            fused_ops._qk_num_warps = originals[1]
             for block in (512, 1024, 2048):
                 for warps in (2, 4, 8):
                     fused_ops._silu_launch_config = lambda i, b=block, w=warps: (b, w)
@@ -180,7 +196,7 @@ def sweep(layer: Layer) -> None:
                     print(f"   silu_and_mul N={n:5d} BLOCK={block} warps={warps}: {t:7.1f} [{g:7.1f}]")
             fused_ops._silu_launch_config = originals[2]
     finally:
-        fused_ops._norm_launch_config, fused_ops._rope_num_warps, fused_ops._silu_launch_config = originals
+        fused_ops._norm_launch_config, fused_ops._qk_num_warps, fused_ops._silu_launch_config = originals
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""Triton RMSNorm / rotary / SiluAndMul kernels against the torch layers they replace.
+"""Triton RMSNorm / attention-input (q/k norm + RoPE + KV store) / SiluAndMul kernels against
+the torch layers they replace.
 
 The references are minivllm/layers' own RMSNorm, RotaryEmbedding and SiluAndMul, and the
 kernels promise the same rounding, so results are compared in ulps of the output dtype,
@@ -135,38 +136,81 @@ def test_rms_norm_strided_views(dtype):
 # ----------------------------------------------------------------------------------------
 # Rotary embedding
 # ----------------------------------------------------------------------------------------
+class AttentionInputs:
+    """A step's q/k/v as views of a packed qkv tensor, a paged cache, slots (some < 0) and
+    positions, with the torch layers' results: per-head RMSNorm (optional), RoPE, stored."""
+
+    def __init__(self, num_tokens: int, hq: int, hkv: int, head_dim: int, dtype: torch.dtype,
+                 qk_norm: bool, random_table: bool = False, block_size: int = 4, max_pos: int = 64,
+                 seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.qkv = randn(num_tokens, (hq + 2 * hkv) * head_dim, dtype=dtype, seed=seed + 1)
+        q, k, v = self.qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
+        self.q = q.view(num_tokens, hq, head_dim)
+        self.k, self.v = k.view(num_tokens, hkv, head_dim), v.view(num_tokens, hkv, head_dim)
+        self.cos_sin = make_rope(head_dim, max_pos, random_table)
+        self.positions = torch.randint(0, max_pos, (num_tokens,), generator=gen).to(DEVICE)
+        num_blocks = num_tokens // block_size + 2
+        slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+        slots[::3] = -1  # every third token is not stored (cached already, or padding)
+        self.slot_mapping = slots.to(DEVICE)
+        self.k_cache = randn(num_blocks, block_size, hkv, head_dim, dtype=dtype, seed=seed + 2)
+        self.v_cache = randn(num_blocks, block_size, hkv, head_dim, dtype=dtype, seed=seed + 3)
+        self.norms = (make_norm(head_dim, dtype, seed=4), make_norm(head_dim, dtype, seed=5)) if qk_norm else None
+
+        # The reference: the torch layers, then the cache written row by row.
+        q, k = self.q.clone(), self.k.clone()
+        if self.norms:
+            q, k = self.norms[0](q), self.norms[1](k)
+        self.ref_q, ref_k = reference_rope(self.positions, q, k, self.cos_sin)
+        self.ref_k_cache, self.ref_v_cache = self.k_cache.clone(), self.v_cache.clone()
+        for i, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                self.ref_k_cache[slot // block_size, slot % block_size] = ref_k[i]
+                self.ref_v_cache[slot // block_size, slot % block_size] = self.v[i]
+
+    def run(self) -> torch.Tensor:
+        norms = (self.norms[0].weight, self.norms[1].weight, EPS) if self.norms else ()
+        return fused_ops.qk_norm_rope_store(self.positions, self.q, self.k, self.v, self.cos_sin,
+                                            self.k_cache, self.v_cache, self.slot_mapping, *norms)
+
+    def check(self) -> None:
+        k_before, v_before = self.k.clone(), self.v.clone()
+        assert self.run() is self.q  # documented: q rotated in place
+        assert torch.equal(self.k, k_before) and torch.equal(self.v, v_before)
+        assert torch.equal(self.v_cache, self.ref_v_cache)  # untouched slots included
+        if self.norms is None:  # RoPE alone: same roundings as eager torch, no FMA: bit-identical
+            assert torch.equal(self.q, self.ref_q) and torch.equal(self.k_cache, self.ref_k_cache)
+            return
+        # The norm sums squares in another order (see norm_tolerance); RoPE then mixes two
+        # elements, so compare values, not ulps of possibly cancelled results.
+        exact = 1e-5 if self.q.dtype == torch.float32 else 2e-3
+        for got, want in ((self.q, self.ref_q), (self.k_cache, self.ref_k_cache)):
+            torch.testing.assert_close(got, want, atol=exact, rtol=exact)
+            if self.q.dtype != torch.float32 and got.numel():
+                assert (got == want).double().mean().item() >= 0.95
+
+
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("num_tokens,hq,hkv,head_dim,random_table", [
     (1, 2, 1, 8, False),
-    (5, 6, 2, 16, False),  # non-power-of-two head counts
-    (4, 3, 3, 12, True),  # half = 6: masked lanes; unequal table halves
+    (7, 6, 2, 16, False),  # non-power-of-two head counts
+    (5, 3, 3, 12, True),  # half = 6: masked lanes; unequal table halves
     (0, 2, 1, 8, False),
 ])
-def test_rotary_embedding(dtype, num_tokens, hq, hkv, head_dim, random_table):
-    max_pos = 64
-    cos_sin = make_rope(head_dim, max_pos, random_table)
-    positions = torch.randint(0, max_pos, (num_tokens,), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    q = randn(num_tokens, hq, head_dim, dtype=dtype, seed=1)
-    k = randn(num_tokens, hkv, head_dim, dtype=dtype, seed=2)
-    ref_q, ref_k = reference_rope(positions, q, k, cos_sin)
-    out_q, out_k = fused_ops.rotary_embedding(positions, q, k, cos_sin)
-    assert out_q is q and out_k is k  # documented: rotated in place
-    # Same roundings as eager torch, and no fused multiply-add: bit-identical.
-    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+def test_qk_norm_rope_store(dtype, qk_norm, num_tokens, hq, hkv, head_dim, random_table):
+    AttentionInputs(num_tokens, hq, hkv, head_dim, dtype, qk_norm, random_table).check()
 
 
-@pytest.mark.parametrize("dtype", CPU_DTYPES)
-def test_rotary_embedding_on_packed_qkv_views(dtype):
-    num_tokens, hq, hkv, head_dim = 3, 4, 2, 8
-    qkv = randn(num_tokens, (hq + 2 * hkv) * head_dim, dtype=dtype, seed=3)
-    q, k, v = qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
-    q, k = q.view(num_tokens, hq, head_dim), k.view(num_tokens, hkv, head_dim)
-    v_before = v.clone()
-    cos_sin = make_rope(head_dim, 32)
-    positions = torch.tensor([0, 7, 31], device=DEVICE, dtype=torch.int32)  # int32 accepted
-    ref_q, ref_k = reference_rope(positions.long(), q, k, cos_sin)
-    fused_ops.rotary_embedding(positions, q, k, cos_sin)
-    assert torch.equal(q, ref_q) and torch.equal(k, ref_k) and torch.equal(v, v_before)
+def test_qk_norm_rope_store_int32_positions_and_one_sided_norm_rejected():
+    inputs = AttentionInputs(3, 4, 2, 8, torch.float32, qk_norm=False)
+    inputs.positions = inputs.positions.int()  # int32 accepted
+    inputs.check()
+    with pytest.raises(AssertionError, match="both"):
+        fused_ops.qk_norm_rope_store(inputs.positions, inputs.q, inputs.k, inputs.v, inputs.cos_sin,
+                                     inputs.k_cache, inputs.v_cache, inputs.slot_mapping,
+                                     torch.ones(8, device=DEVICE))
 
 
 # ----------------------------------------------------------------------------------------
@@ -222,23 +266,11 @@ def test_gpu_norms_realistic(dtype, hidden, num_tokens):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
-def test_gpu_qk_norm_and_rope_realistic(dtype):
-    """Qwen3-0.6B attention input: per-head q/k norm then RoPE on views of a packed qkv."""
-    num_tokens, hq, hkv, head_dim, max_pos = 3000, 16, 8, 128, 40960
-    qkv = randn(num_tokens, (hq + 2 * hkv) * head_dim, dtype=dtype, seed=3)
-    q, k, v = qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
-    q, k = q.view(num_tokens, hq, head_dim), k.view(num_tokens, hkv, head_dim)
-    norm = make_norm(head_dim, dtype)
-    assert_ulps(fused_ops.rms_norm(q, norm.weight, EPS), norm(q), **norm_tolerance(dtype))
-
-    cos_sin = make_rope(head_dim, max_pos)
-    positions = torch.randint(0, max_pos, (num_tokens,), device=DEVICE)
-    v_before = v.clone()
-    ref_q, ref_k = reference_rope(positions, q, k, cos_sin)
-    fused_ops.rotary_embedding(positions, q, k, cos_sin)
-    assert torch.equal(v, v_before)
-    # Same roundings as eager torch (FMA contraction is off in the kernel): bit-identical.
-    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8)])
+def test_gpu_qk_norm_rope_store_realistic(dtype, qk_norm, hq, hkv):
+    """Qwen3-0.6B / -8B attention inputs (head_dim 128), 3,000 tokens, positions up to 40,960."""
+    AttentionInputs(3000, hq, hkv, 128, dtype, qk_norm, block_size=16, max_pos=40960).check()
 
 
 @pytest.mark.gpu
@@ -260,16 +292,21 @@ def test_gpu_cuda_graph_capture():
     cos_sin = make_rope(d, 4096)
     x, residual = randn(n, hidden, dtype=dtype, seed=1), randn(n, hidden, dtype=dtype, seed=2)
     q, k = randn(n, hq, d, dtype=dtype, seed=3), randn(n, hkv, d, dtype=dtype, seed=4)
+    v = randn(n, hkv, d, dtype=dtype, seed=6)
+    k_cache, v_cache = (torch.zeros(n // 16 + 1, 16, hkv, d, dtype=dtype, device=DEVICE) for _ in range(2))
+    slots = torch.arange(n, device=DEVICE)
+    head_norm = make_norm(d, dtype)
     gate_up = randn(n, 2 * inter, dtype=dtype, seed=5)
     positions = torch.arange(n, device=DEVICE)
 
     def step():
         a = fused_ops.rms_norm(x, norm.weight, EPS)
         b, _ = fused_ops.add_rms_norm(x, residual, norm.weight, EPS)
-        fused_ops.rotary_embedding(positions, q, k, cos_sin)
-        return a, b, fused_ops.silu_and_mul(gate_up)
+        fused_ops.qk_norm_rope_store(positions, q, k, v, cos_sin, k_cache, v_cache, slots,
+                                     head_norm.weight, head_norm.weight, EPS)
+        return a, b, fused_ops.silu_and_mul(gate_up), k_cache.clone(), v_cache.clone()
 
-    inputs = (x, residual, q, k, gate_up)
+    inputs = (x, residual, q, k, v, gate_up)
     originals = [t.clone() for t in inputs]
     step()  # compile outside the capture
     torch.cuda.synchronize()
@@ -281,10 +318,10 @@ def test_gpu_cuda_graph_capture():
     positions.add_(100)
     expected_inputs = [t.clone() for t in inputs]
     graph.replay()
-    got = [o.clone() for o in outs] + [residual.clone(), q.clone(), k.clone()]
+    got = [o.clone() for o in outs] + [residual.clone(), q.clone()]
     for t, src in zip(inputs, expected_inputs):
         t.copy_(src)
-    want = list(step()) + [residual, q, k]
+    want = list(step()) + [residual, q]
     torch.cuda.synchronize()
     for g, w in zip(got, want):
         assert torch.equal(g, w)

@@ -39,3 +39,16 @@ def test_cascade_attention_for_a_shared_prefix(model_dir: str, cascade_calls: li
     llm = LLM(model_dir, dtype="float32", max_model_len=96, block_size=8, attention_backend="triton")
     assert greedy_outputs(llm, prompts, 6) == [hf_greedy(model_dir, p, 6)[0] for p in prompts]
     assert cascade_calls, "the cascade path was not taken"
+
+
+@pytest.mark.parametrize("arch", ["llama3-rope-scaling", "qwen2"])
+def test_architectures_without_qk_norm_match_hf(arch: str, tiny_model_factory) -> None:
+    """The fused attention-input kernel without Qwen3's q/k norms (RoPE + KV store only)."""
+    from tests.test_generate_hf import ARCHITECTURES
+
+    architecture, overrides = ARCHITECTURES[arch]
+    model_dir = tiny_model_factory(architecture, **overrides)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 700) for _ in range(n)] for n in (2, 11, 20)]
+    llm = LLM(model_dir, dtype="float32", max_model_len=64, block_size=8, attention_backend="triton")
+    assert greedy_outputs(llm, prompts, 5) == [hf_greedy(model_dir, p, 5)[0] for p in prompts]

@@ -25,10 +25,7 @@ from minivllm.engine.sequence import Sequence
 from minivllm.executor.cuda_graphs import DecodeGraphs
 from minivllm.executor.distributed import broadcast_from_rank0, min_across_ranks, tp_rank, tp_size
 from minivllm.executor.input_buffers import InputBuffers
-from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.attention import AttentionBackend
-from minivllm.layers.norm import RMSNorm
-from minivllm.layers.rotary import RotaryEmbedding
 from minivllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from minivllm.loader import init_dummy_weights, load_weights
 from minivllm.models.registry import build_model
@@ -113,9 +110,10 @@ class ModelRunner:
         else:
             load_weights(self.model, config.model)
         if config.attention_backend == "triton":
-            # The small ops too: fused Triton kernels instead of chains of torch kernels.
+            # The small ops too: fused Triton kernels instead of chains of torch kernels
+            # (each layer with a Triton path declares a `use_triton` class attribute).
             for module in self.model.modules():
-                if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):
+                if hasattr(type(module), "use_triton"):
                     module.use_triton = True
         self.vocab_size = hf_config.vocab_size
         self.sampler = Sampler()

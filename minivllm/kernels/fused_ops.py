@@ -1,5 +1,6 @@
 """Triton kernels for the small per-token ops of a decoder layer: RMSNorm (optionally fused
-with the residual add before it), neox-style rotary embedding, and SiluAndMul.
+with the residual add before it); the attention inputs (Qwen3's per-head q/k RMSNorm,
+neox-style rotary embedding and the KV-cache store, in one kernel); and SiluAndMul.
 
 Each kernel reproduces the rounding of the torch code in minivllm/layers (norm.py,
 rotary.py, activation.py), so swapping one for the other changes no token:
@@ -150,41 +151,79 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 # ----------------------------------------------------------------------------------------
-# Rotary embedding (neox style: rotate_half pairs element d with d + D/2)
+# Attention inputs: q/k per-head RMSNorm (Qwen3), rotary embedding (neox style: rotate_half
+# pairs element d with d + D/2), and the KV-cache store, in one kernel
 # ----------------------------------------------------------------------------------------
 @triton.jit
-def _rotate_heads(
-    x_ptr, stride_h, cos1, cos2, sin1, sin2,
-    NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
-):
-    """Rotate one token's [NUM_HEADS, 2 * HALF] slice in place; cos*/sin* are float32 [BLOCK_HALF]."""
-    dtype = x_ptr.dtype.element_ty
+def _load_halves(ptr, stride_h, NUM_HEADS: tl.constexpr, HALF: tl.constexpr,
+                 BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """One token's [NUM_HEADS, 2 * HALF] heads as their two halves (model dtype)."""
     heads = tl.arange(0, BLOCK_HEADS)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < NUM_HEADS) & (d < HALF)
-    offs1 = heads * stride_h + d
-    x1 = tl.load(x_ptr + offs1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + offs1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    # torch: x * cos + cat([-x2, x1]) * sin, each product and the sum rounded to the model
-    # dtype (separate eager ops). A product of two bf16/fp16 values is exact in float32, so
-    # computing it there and rounding once gives torch's result bit for bit.
-    out1 = (x1 * cos1[None, :]).to(dtype).to(tl.float32) - (x2 * sin1[None, :]).to(dtype).to(tl.float32)
-    out2 = (x2 * cos2[None, :]).to(dtype).to(tl.float32) + (x1 * sin2[None, :]).to(dtype).to(tl.float32)
-    tl.store(x_ptr + offs1, out1.to(dtype), mask=mask)
-    tl.store(x_ptr + offs1 + HALF, out2.to(dtype), mask=mask)
+    offs = heads * stride_h + d
+    return tl.load(ptr + offs, mask=mask, other=0.0), tl.load(ptr + offs + HALF, mask=mask, other=0.0)
 
 
 @triton.jit
-def _rotary_kernel(
-    positions_ptr, q_ptr, k_ptr, cos_sin_ptr,
-    stride_qn, stride_qh, stride_kn, stride_kh,
+def _store_halves(ptr, stride_h, x1, x2, NUM_HEADS: tl.constexpr, HALF: tl.constexpr,
+                  BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    heads = tl.arange(0, BLOCK_HEADS)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < NUM_HEADS) & (d < HALF)
+    offs = heads * stride_h + d
+    tl.store(ptr + offs, x1, mask=mask)
+    tl.store(ptr + offs + HALF, x2, mask=mask)
+
+
+@triton.jit
+def _head_rms_norm(x1, x2, weight_ptr, eps, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """RMSNorm of each head (row) over both halves, rounded as _rms_norm_kernel rounds."""
+    dtype = x1.dtype
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    sum_sq = tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)
+    mean_sq = tl.math.div_rn(sum_sq, tl.full(sum_sq.shape, 2 * HALF, tl.float32))
+    rstd = tl.math.div_rn(tl.full(sum_sq.shape, 1.0, tl.float32), tl.sqrt_rn(mean_sq + eps))[:, None]
+    d = tl.arange(0, BLOCK_HALF)
+    w1 = tl.load(weight_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(weight_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+    out1 = (w1 * (a * rstd).to(dtype).to(tl.float32)).to(dtype)
+    out2 = (w2 * (b * rstd).to(dtype).to(tl.float32)).to(dtype)
+    return out1, out2
+
+
+@triton.jit
+def _rotate(x1, x2, cos1, cos2, sin1, sin2):
+    """Neox RoPE of [heads, HALF] halves; cos*/sin* are float32 [1, HALF] (already rounded
+    to the model dtype). torch computes x * cos + cat([-x2, x1]) * sin with each product
+    and the sum rounded to the model dtype (separate eager ops); a product of two bf16/fp16
+    values is exact in float32, so computing it there and rounding once matches bit for bit."""
+    dtype = x1.dtype
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    out1 = (a * cos1).to(dtype).to(tl.float32) - (b * sin1).to(dtype).to(tl.float32)
+    out2 = (b * cos2).to(dtype).to(tl.float32) + (a * sin2).to(dtype).to(tl.float32)
+    return out1.to(dtype), out2.to(dtype)
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(
+    positions_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr,
+    k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    eps,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_cp, stride_cs,  # cos_sin [max_pos, 2, D]: position, cos/sin
+    stride_cb, stride_co, stride_ch,  # cache [blocks, block_size, Hkv, D]: block, offset, head
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    QK_NORM: tl.constexpr,
 ):
-    # One program per token: the cos/sin row is loaded once and serves all q and k heads.
-    tok = tl.program_id(0).to(tl.int64)
+    # One program per token: its cos/sin row is loaded once and serves all q and k heads;
+    # q, k and v are each read once and q written once, k and v go straight to the cache.
+    tok = tl.program_id(0).to(tl.int64)  # int64: N * stride can pass 2**31
     pos = tl.load(positions_ptr + tok).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
     dmask = d < HALF
@@ -192,55 +231,105 @@ def _rotary_kernel(
     # Both halves are read (not assumed equal) so any [max_pos, 2, D] table works; cos/sin
     # are rounded to the model dtype first, as `cos_sin.to(q.dtype)` does.
     dtype = q_ptr.dtype.element_ty
-    cos1 = tl.load(row + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
-    cos2 = tl.load(row + HALF + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
-    sin1 = tl.load(row + stride_cs + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
-    sin2 = tl.load(row + stride_cs + HALF + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
-    _rotate_heads(q_ptr + tok * stride_qn, stride_qh, cos1, cos2, sin1, sin2,
-                  NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_ptr + tok * stride_kn, stride_kh, cos1, cos2, sin1, sin2,
-                  NUM_KV_HEADS, HALF, BLOCK_HKV, BLOCK_HALF)
+    cos1 = tl.load(row + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    cos2 = tl.load(row + HALF + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    sin1 = tl.load(row + stride_cs + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    sin2 = tl.load(row + stride_cs + HALF + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
+
+    q1, q2 = _load_halves(q_ptr + tok * stride_qn, stride_qh, NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF)
+    if QK_NORM:
+        q1, q2 = _head_rms_norm(q1, q2, q_weight_ptr, eps, HALF, BLOCK_HALF)
+    q1, q2 = _rotate(q1, q2, cos1, cos2, sin1, sin2)
+    _store_halves(q_ptr + tok * stride_qn, stride_qh, q1, q2, NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF)
+
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)  # int64: caches can pass 2**31 elements
+    if slot >= 0:  # < 0: padding, or a token whose K/V is already cached
+        k1, k2 = _load_halves(k_ptr + tok * stride_kn, stride_kh, NUM_KV_HEADS, HALF, BLOCK_HKV, BLOCK_HALF)
+        if QK_NORM:
+            k1, k2 = _head_rms_norm(k1, k2, k_weight_ptr, eps, HALF, BLOCK_HALF)
+        k1, k2 = _rotate(k1, k2, cos1, cos2, sin1, sin2)
+        v1, v2 = _load_halves(v_ptr + tok * stride_vn, stride_vh, NUM_KV_HEADS, HALF, BLOCK_HKV, BLOCK_HALF)
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co
+        # tl.store casts to the cache's element type (tests use an fp32 cache for fp16 inputs).
+        _store_halves(k_cache_ptr + dst, stride_ch, k1, k2, NUM_KV_HEADS, HALF, BLOCK_HKV, BLOCK_HALF)
+        _store_halves(v_cache_ptr + dst, stride_ch, v1, v2, NUM_KV_HEADS, HALF, BLOCK_HKV, BLOCK_HALF)
 
 
-def _rope_num_warps(block_hq: int, head_dim: int) -> int:
+def _qk_num_warps(block_hq: int, head_dim: int) -> int:
     # Qwen3-0.6B: 16 q heads x 128 = 2K elements per token -> 4 warps, 16 B per thread-load.
     return 4 if block_hq * head_dim <= 4096 else 8
 
 
-def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox-style RoPE: `RotaryEmbedding.forward(positions, q, k)` of minivllm/layers/rotary.py.
+def qk_norm_rope_store(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> torch.Tensor:
+    """A decoder layer's attention inputs in one kernel, per token: optionally RMSNorm of
+    every q and k head (Qwen3's q_norm/k_norm: pass both weights), neox-style RoPE on q and
+    k (`RotaryEmbedding.forward` of minivllm/layers/rotary.py), and the new K and V into the
+    paged cache (`store_kvcache` of minivllm/kernels/kv_store.py; slot < 0: not stored).
 
-    positions: [N] int64 (int32 accepted), each < max_pos (not checked: that would sync);
-    q: [N, Hq, D], k: [N, Hkv, D], same dtype, last dimension contiguous (row and head
-    strides free, e.g. views into a packed qkv tensor); cos_sin: [max_pos, 2, D] float32.
-    IN PLACE: q and k are overwritten with the rotated values and returned.
+    positions [N] int64 (int32 accepted), each < max_pos (not checked: that would sync);
+    q [N, Hq, D], k and v [N, Hkv, D], one dtype, last dimension contiguous (row and head
+    strides free: views into a packed qkv tensor need no copy); cos_sin [max_pos, 2, D]
+    float32; k_cache/v_cache [num_blocks, block_size, Hkv, D] with identical strides;
+    slot_mapping [N] int64. IN PLACE: q is overwritten with its normed, rotated values and
+    returned; k and v are left as they are (the rotated K lives in the cache only).
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    assert k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_dim, (
-        f"k {tuple(k.shape)} does not match q {tuple(q.shape)}")
+    num_kv_heads = k.shape[1]
+    assert k.dim() == 3 and k.shape == v.shape and k.shape[0] == num_tokens and k.shape[2] == head_dim, (
+        f"k {tuple(k.shape)} and v {tuple(v.shape)} do not match q {tuple(q.shape)}")
     assert head_dim % 2 == 0, f"head_dim must be even, got {head_dim}"
-    assert q.dtype == k.dtype and q.dtype in (torch.float32, torch.float16, torch.bfloat16), (
-        f"q and k must share a float dtype, got {q.dtype} and {k.dtype}")
-    assert q.stride(-1) == 1 and k.stride(-1) == 1, "q and k must have a contiguous last dimension"
-    assert positions.shape == (num_tokens,), f"positions {tuple(positions.shape)}, expected ({num_tokens},)"
+    assert q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.float16, torch.bfloat16), (
+        f"q, k and v must share a float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, (
+        "q, k and v must have a contiguous last dimension")
+    assert positions.shape == (num_tokens,) and slot_mapping.shape == (num_tokens,), (
+        f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)} must be ({num_tokens},)")
     assert cos_sin.dim() == 3 and cos_sin.shape[1:] == (2, head_dim) and cos_sin.stride(-1) == 1, (
         f"cos_sin must be [max_pos, 2, {head_dim}] with a contiguous last dimension, got {tuple(cos_sin.shape)}")
     assert cos_sin.dtype == torch.float32, f"cos_sin must be float32, got {cos_sin.dtype}"
+    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(), (
+        "k_cache and v_cache must have the same shape and strides")
+    assert k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.stride(-1) == 1, (
+        f"cache {tuple(k_cache.shape)} does not match the key heads/dim {(num_kv_heads, head_dim)}")
+    qk_norm = q_norm_weight is not None
+    assert qk_norm == (k_norm_weight is not None), "pass both q and k norm weights, or neither"
+    if qk_norm:
+        for w in (q_norm_weight, k_norm_weight):
+            assert w.shape == (head_dim,) and w.is_contiguous() and w.dtype == q.dtype, (
+                f"norm weights must be contiguous [{head_dim}] tensors of q's dtype")
     if num_tokens == 0:
-        return q, k
-    num_kv_heads, half = k.shape[1], head_dim // 2
+        return q
+    half = head_dim // 2
     block_hq = triton.next_power_of_2(num_q_heads)
-    _rotary_kernel[(num_tokens,)](
-        positions, q, k, cos_sin,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0), cos_sin.stride(1),
+    _qk_norm_rope_store_kernel[(num_tokens,)](
+        positions, q, k, v, cos_sin,
+        q_norm_weight if qk_norm else q, k_norm_weight if qk_norm else q,  # (placeholders without norms)
+        k_cache, v_cache, slot_mapping,
+        eps,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos_sin.stride(0), cos_sin.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=block_hq, BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-        num_warps=_rope_num_warps(block_hq, head_dim),
-        enable_fp_fusion=False,  # keeps float32 x*cos + y*sin as torch's two rounded products
+        BLOCK_SIZE=k_cache.shape[1],
+        QK_NORM=qk_norm,
+        num_warps=_qk_num_warps(block_hq, head_dim),
+        enable_fp_fusion=False,  # keeps torch's separately rounded products (RoPE, norm)
     )
-    return q, k
+    return q
 
 
 # ----------------------------------------------------------------------------------------

@@ -33,4 +33,8 @@ class Attention(nn.Module):
         """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]."""
         assert self.backend is not None, "KV cache not bound: ModelRunner allocates it"
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta)
+        return self.attend(q, meta)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of q over the cache, this step's K/V already stored."""
         return self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)

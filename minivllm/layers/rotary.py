@@ -18,8 +18,6 @@ def rope_parameters(config: PretrainedConfig) -> dict:
 
 
 class RotaryEmbedding(nn.Module):
-    use_triton = False  # set by the model runner with the Triton attention backend
-
     def __init__(self, config: PretrainedConfig, head_dim: int, max_position: int) -> None:
         super().__init__()
         params = rope_parameters(config)
@@ -42,10 +40,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [N, Hq, D], k [N, Hkv, D] -> rotated (same dtype; with Triton in place, one kernel)."""
-        if self.use_triton:
-            from minivllm.kernels import fused_ops  # imported only where Triton is used
-            return fused_ops.rotary_embedding(positions, q, k, self.cos_sin)
+        """q [N, Hq, D], k [N, Hkv, D] -> rotated (same dtype). With Triton the attention
+        layer fuses this into one kernel (fused_ops.qk_norm_rope_store)."""
         cos_sin = self.cos_sin[positions]
         cos, sin = cos_sin[:, 0, None, :].to(q.dtype), cos_sin[:, 1, None, :].to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

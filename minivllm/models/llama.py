@@ -33,6 +33,10 @@ class ArchitectureFlags:
 
 
 class LlamaAttention(nn.Module):
+    # Set by the model runner with the Triton attention backend: q/k norms, RoPE and the
+    # KV store then run as one kernel (fused_ops.qk_norm_rope_store).
+    use_triton = False
+
     def __init__(self, config: PretrainedConfig, flags: ArchitectureFlags, max_position: int) -> None:
         super().__init__()
         hidden = config.hidden_size
@@ -57,10 +61,17 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, meta)
+        if self.use_triton:
+            from minivllm.kernels import fused_ops  # imported only where Triton is used
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
+            fused_ops.qk_norm_rope_store(positions, q, k, v, self.rotary_emb.cos_sin, self.attn.k_cache,
+                                         self.attn.v_cache, meta.slot_mapping, *norms)
+            out = self.attn.attend(q, meta)
+        else:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
+            out = self.attn(q, k, v, meta)
         return self.o_proj(out.flatten(1))
 
 
