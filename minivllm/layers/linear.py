@@ -12,7 +12,18 @@ from torch import nn
 from minivllm.executor.distributed import all_reduce, tp_rank, tp_size
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_triton: bool) -> torch.Tensor:
+    """F.linear, or for a small decode batch with Triton the weight-streaming kernel."""
+    if use_triton:
+        from minivllm.kernels import skinny_matmul  # imported only where Triton is used
+        if x.dim() == 2 and x.shape[0] <= skinny_matmul.MAX_ROWS:
+            return skinny_matmul.skinny_matmul(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
+    use_triton = False  # set by the model runner with the Triton attention backend
+
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
         super().__init__()
         tp = tp_size()
@@ -30,7 +41,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, offset, size).copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.use_triton)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -43,6 +54,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
+    use_triton = False  # set by the model runner with the Triton attention backend
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
         assert input_size % tp_size() == 0, "input size not divisible by tp size"
@@ -57,5 +70,5 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction, not on every rank.
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(linear(x, self.weight, None, self.use_triton))
         return y + self.bias if self.bias is not None else y

@@ -1,0 +1,60 @@
+"""The small-batch linear kernel against F.linear in float64.
+
+Without CUDA the kernel runs in Triton's interpreter (small shapes, fp32/fp16); the
+`gpu`-marked tests use Qwen3-0.6B / -8B projection shapes in every dtype.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minivllm.kernels.skinny_matmul import MAX_ROWS, skinny_matmul
+
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# fp32 accumulation in another order than float64; 16-bit outputs: one rounding of the result.
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def check(num_rows: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0,
+          row_stride: int | None = None) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(num_rows, row_stride or k, generator=gen)
+    x = wide[:, :k].to(DEVICE, dtype) if row_stride is None else wide.to(DEVICE, dtype)[:, :k]
+    weight = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DEVICE, dtype)
+    b = torch.randn(n, generator=gen).to(DEVICE, dtype) if bias else None
+    out = skinny_matmul(x, weight, b)
+    want = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    assert out.shape == (num_rows, n) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_rows,n,k,bias", [
+    (1, 16, 256, False),  # one program, K in whole tiles
+    (5, 40, 300, True),  # ragged N (masked columns), ragged K, bias
+    (MAX_ROWS, 48, 512, False),  # the largest batch
+    (3, 16, 96, True),  # K shorter than one tile
+])
+def test_matches_linear(dtype, num_rows, n, k, bias):
+    check(num_rows, n, k, dtype, bias)
+
+
+def test_strided_rows_and_empty_batch():
+    check(4, 32, 256, torch.float32, bias=False, row_stride=320)  # x a view with row stride 320
+    empty = skinny_matmul(torch.empty(0, 64, device=DEVICE), torch.ones(8, 64, device=DEVICE))
+    assert empty.shape == (0, 8)
+    with pytest.raises(AssertionError, match="at most"):
+        skinny_matmul(torch.ones(MAX_ROWS + 1, 64, device=DEVICE), torch.ones(8, 64, device=DEVICE))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072),  # Qwen3-0.6B
+                                 (6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)])  # Qwen3-8B
+@pytest.mark.parametrize("num_rows", [1, 7, 16])
+def test_gpu_projection_shapes(dtype, n, k, num_rows):
+    check(num_rows, n, k, dtype, bias=n == 4096)
