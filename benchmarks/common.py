@@ -173,6 +173,12 @@ def make_llm(args: argparse.Namespace, spec: ModelSpec, **overrides: Any) -> tup
     return llm, time.perf_counter() - start
 
 
+def startup_metrics(llm: Any, startup: float) -> dict[str, Any]:
+    """Start-up seconds, and of them the CUDA-graph capture (None: no graphs, e.g. eager)."""
+    graphs = llm.llm_engine.model_runner.decode_graphs
+    return {"startup_s": startup, "graph_capture_s": graphs.capture_seconds if graphs else None}
+
+
 def warmup_llm(llm: Any, vocab_size: int, prefix_hit: bool = False) -> None:
     """One short request so the timed run sees no first-call costs; with prefix_hit a
     second one that starts with the first's prompt, so that the prefill-over-a-cached-

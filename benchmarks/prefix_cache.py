@@ -19,7 +19,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (W1_TEMPERATURE, ModelSpec, Request, add_common_args,  # noqa: E402
-                               engine_stats, free_memory, make_llm, random_prompt, report,
+                               engine_stats, free_memory, make_llm, random_prompt, report, startup_metrics,
                                resolve_model, scaled, shutdown_llm, stats_delta, timed_generate,
                                warmup_llm)
 
@@ -51,7 +51,7 @@ def run_once(args: argparse.Namespace, spec: ModelSpec, requests: list[Request],
     llm, startup = make_llm(args, spec, enable_prefix_caching=caching)
     warmup_llm(llm, spec.vocab_size, prefix_hit=True)
     before = engine_stats(llm)
-    metrics = timed_generate(llm, requests, W1_TEMPERATURE) | {"startup_s": startup}
+    metrics = timed_generate(llm, requests, W1_TEMPERATURE) | startup_metrics(llm, startup)
     counters = stats_delta(before, engine_stats(llm), PREFIX_COUNTERS + ("num_preemptions",))
     metrics |= counters
     if all(k in counters for k in PREFIX_COUNTERS):

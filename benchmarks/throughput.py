@@ -20,8 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (W1_NUM_PROMPTS, W1_TEMPERATURE, ModelSpec, Request, Timer,  # noqa: E402
                                add_common_args, engine_stats, make_llm, report, resolve_model,
-                               shutdown_llm, stats_delta, throughput_metrics, timed_generate,
-                               w1_requests, warmup_llm, warmup_prompt)
+                               shutdown_llm, startup_metrics, stats_delta, throughput_metrics,
+                               timed_generate, w1_requests, warmup_llm, warmup_prompt)
 
 
 def run_minivllm(args: argparse.Namespace, spec: ModelSpec, requests: list[Request]) -> dict[str, Any]:
@@ -31,7 +31,7 @@ def run_minivllm(args: argparse.Namespace, spec: ModelSpec, requests: list[Reque
     metrics = timed_generate(llm, requests, W1_TEMPERATURE)
     preemptions = stats_delta(before, engine_stats(llm), ("num_preemptions",))
     shutdown_llm(llm)
-    return metrics | {"startup_s": startup} | preemptions
+    return metrics | startup_metrics(llm, startup) | preemptions
 
 
 # ------------------------------------------------------------------ transformers baseline
