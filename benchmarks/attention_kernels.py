@@ -18,7 +18,6 @@ pages shuffled across the cache as after a long serving run.
   (4 * Hq * D * visible (query, key) pairs), beside torch SDPA on the same contiguous K/V.
 """
 
-import argparse
 import random
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, uninstalled
+from benchmarks.common import kernel_benchmark_args  # noqa: E402
 from minivllm.kernels import paged_attention as pa  # noqa: E402
 
 HQ, HKV, D, BLOCK = 16, 8, 128, 16
@@ -57,13 +57,6 @@ def time_fn(fn):
     eager = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     graph = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
     return eager * 1e-3, graph * 1e-3  # seconds
-
-
-def copy_bandwidth():
-    x = torch.empty(1 << 29, dtype=torch.float32, device="cuda")  # 2 GiB
-    y = torch.empty_like(x)
-    _, t = time_fn(lambda: y.copy_(x))
-    return 2 * x.numel() * x.element_size() / t
 
 
 def bench_decode(name, seq_lens, sweep):
@@ -184,12 +177,7 @@ def bench_mixed_step():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sweep", action="store_true", help="also time other tile configs and split counts")
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    print(f"device copy (read + write): {copy_bandwidth() / 1e12:.2f} TB/s", flush=True)
+    args, _ = kernel_benchmark_args(__doc__, "also time other tile configs and split counts")
     gen = random.Random(0)
     bench_decode("batch 256, ctx ~1000", [gen.randint(800, 1200) for _ in range(256)], args.sweep)
     bench_decode("batch 1, ctx 1024", [1024], args.sweep)

@@ -13,7 +13,6 @@ reads every sequence's whole context (the prefix 256 times); the cascade reads t
 once (its other row tiles hit L2), the suffixes once, and writes + reads its fp32 partials.
 """
 
-import argparse
 import random
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, uninstalled
 from benchmarks.attention_kernels import BLOCK, DTYPE, HKV, HQ, PEAK_BW, D  # noqa: E402
+from benchmarks.common import kernel_benchmark_args  # noqa: E402
 from minivllm.kernels import paged_attention as pa  # noqa: E402
 
 NUM_SEQS = 256
@@ -58,11 +58,7 @@ def median_s(fn) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sweep", action="store_true", help="also time other prefix tiles and split counts")
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    args, _ = kernel_benchmark_args(__doc__, "also time other prefix tiles and split counts")
     k_cache, v_cache, lens, table, num_prefix_blocks, seq_lens = build_w3()
     q = torch.randn(NUM_SEQS, HQ, D, dtype=DTYPE, device="cuda")
     scale = D ** -0.5

@@ -37,6 +37,36 @@ W1_TEMPERATURE = 0.6
 DEFAULT_MAX_MODEL_LEN = 4096  # BENCH.md's max_model_len for W1 (W2 and W3 fit in it too)
 
 
+# ----------------------------------------------------------------------------- kernel microbenchmarks
+
+def kernel_benchmark_args(doc: str, sweep_help: str) -> tuple[argparse.Namespace, float]:
+    """A kernel microbenchmark's start: its command line (--sweep), a GPU check, a fixed
+    seed and the banner line. Returns the arguments and copy_bandwidth()."""
+    import triton
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true", help=sweep_help)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit(f"{Path(sys.argv[0]).name} needs a CUDA GPU")
+    torch.manual_seed(0)
+    peak = copy_bandwidth()
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+          f"device copy (read + write) {peak / 1e9:.0f} GB/s", flush=True)
+    return args, peak
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second (read + write) of a 1 GiB device-to-device copy: the practical peak
+    that memory-bound kernels are compared with."""
+    import triton.testing
+
+    x = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=10, rep=50, return_mode="median")
+    return 2 * x.numel() * x.element_size() / (ms * 1e-3)
+
+
 # ----------------------------------------------------------------------------- models
 
 

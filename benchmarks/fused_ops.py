@@ -22,7 +22,6 @@ over the do_bench time. The last lines sum one decoder layer's share
 (2 add_rms_norm + qk_rope_store + silu_and_mul) at N=256.
 """
 
-import argparse
 import sys
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ import triton.testing
 from transformers import PretrainedConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, uninstalled
+from benchmarks.common import kernel_benchmark_args  # noqa: E402
 from minivllm.kernels import fused_ops  # noqa: E402
 from minivllm.layers.activation import SiluAndMul  # noqa: E402
 from minivllm.layers.norm import RMSNorm  # noqa: E402
@@ -64,13 +64,6 @@ def time_us(fn: Callable[[], object], graph: bool = True) -> tuple[float, float]
         except Exception:  # a variant that cannot be captured: say so rather than abort the table
             pass
     return eager * 1e3, replay * 1e3
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(1 << 28, dtype=torch.float32, device="cuda")  # 1 GiB
-    y = torch.empty_like(x)
-    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=10, rep=50, return_mode="median")
-    return 2 * x.numel() * x.element_size() / (ms * 1e-3)
 
 
 class Layer:
@@ -200,15 +193,7 @@ def sweep(layer: Layer) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sweep", action="store_true", help="also time other launch configs")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/fused_ops.py needs a CUDA GPU")
-    torch.manual_seed(0)
-    peak = copy_bandwidth()
-    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"device copy (read + write) {peak / 1e9:.0f} GB/s")
+    args, peak = kernel_benchmark_args(__doc__, "also time other launch configs")
     print(f"Qwen3-0.6B shapes: H={H}, I={INTER}, Hq={HQ}, Hkv={HKV}, D={D}, {DTYPE}")
     with torch.inference_mode():
         layer = Layer()

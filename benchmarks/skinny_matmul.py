@@ -8,7 +8,6 @@ each call captured in a CUDA graph as a decode step runs it (triton.testing.do_b
 median). GB/s counts the weight bytes, which dominate: the floor is weights / bandwidth.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, uninstalled
+from benchmarks.common import kernel_benchmark_args  # noqa: E402
 from minivllm.kernels.skinny_matmul import skinny_matmul, skinny_matmul_config  # noqa: E402
 
 SHAPES = {  # name: (N, K)
@@ -33,12 +33,7 @@ def graph_us(fn) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sweep", action="store_true", help="also time other tile configs")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/skinny_matmul.py needs a CUDA GPU")
-    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    args, _ = kernel_benchmark_args(__doc__, "also time other tile configs")
     print(f"default config: {skinny_matmul_config(DTYPE)}")
     print(f"{'shape':<14}{'M':>4}{'cuBLAS us':>11}{'triton us':>11}{'cuBLAS GB/s':>13}{'triton GB/s':>13}"
           f"{'max |diff|':>12}")

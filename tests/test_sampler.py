@@ -1,4 +1,9 @@
-"""Sampler tests: each feature against a direct per-row computation (CPU)."""
+"""Sampler tests: each feature against a direct per-row computation (CPU).
+
+Random rows sample with the torch Gumbel-max formula on CPU tensors and with the Triton
+kernel on CUDA ones; tests taking the `backend` fixture run both, the kernel under Triton's
+interpreter (slow: about 30 ms per row, so those tests keep batches and step counts small).
+tests/test_sampling_kernel.py tests the kernel itself against the torch formula."""
 
 from __future__ import annotations
 
@@ -8,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from minivllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
+from minivllm.layers import sampler as sampler_module
+from minivllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow, gumbel_noise
 from minivllm.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -37,6 +43,14 @@ def random_logits(rows: int, vocab: int = V, seed: int = 0) -> torch.Tensor:
 
 def kept(processed_row: torch.Tensor) -> set[int]:
     return set(torch.nonzero(torch.isfinite(processed_row)).flatten().tolist())
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Random rows through the torch formula, or through the Triton kernel (as on CUDA)."""
+    if request.param == "triton":
+        monkeypatch.setattr(sampler_module, "_use_triton", lambda logits: True)
+    return request.param
 
 
 # --- direct per-row references ---------------------------------------------------------
@@ -106,9 +120,9 @@ def test_caller_logits_unchanged() -> None:
 # --- filters ---------------------------------------------------------------------------
 
 FILTER_CASES = [
-    dict(top_k=5), dict(top_k=1), dict(top_k=V + 10), dict(top_p=0.5), dict(top_p=0.9),
-    dict(min_p=0.1), dict(min_p=0.02, top_k=10), dict(top_k=8, top_p=0.6),
-    dict(top_k=20, top_p=0.7, min_p=0.05), dict(), dict(top_p=0.999, min_p=0.3),
+    {"top_k": 5}, {"top_k": 1}, {"top_k": V + 10}, {"top_p": 0.5}, {"top_p": 0.9},
+    {"min_p": 0.1}, {"min_p": 0.02, "top_k": 10}, {"top_k": 8, "top_p": 0.6},
+    {"top_k": 20, "top_p": 0.7, "min_p": 0.05}, {}, {"top_p": 0.999, "min_p": 0.3},
 ]
 
 
@@ -152,14 +166,14 @@ def test_top_p_restricted_to_top_k_candidates_avoids_full_sort() -> None:
     assert meta.min_p is None
     logits = random_logits(3, seed=2)
     processed = Sampler().processed_logits(logits, meta)
-    assert kept(processed[0]) == reference_allowed(logits[0], dict(top_k=10, top_p=0.5))
+    assert kept(processed[0]) == reference_allowed(logits[0], {"top_k": 10, "top_p": 0.5})
     assert kept(processed[1]) == ref_top_k(logits[1], 3)
     assert kept(processed[2]) == set(range(V))
 
 
 def test_samples_stay_in_allowed_set() -> None:
     torch.manual_seed(0)
-    case = dict(top_k=12, top_p=0.8, min_p=0.02)
+    case = {"top_k": 12, "top_p": 0.8, "min_p": 0.02}
     row = random_logits(1, seed=3)[0]
     n = 2000
     logits = row.expand(n, V).contiguous()
@@ -180,6 +194,97 @@ def test_temperature_frequencies_match_softmax() -> None:
     expected = torch.softmax(row / temperature, -1)
     # Std of a frequency is <= 0.0036 at n = 20k; 0.012 is over 3 sigma for every token.
     assert (freq - expected).abs().max() < 0.012, (freq, expected)
+
+
+def chi_square(sampled: torch.Tensor, expected: torch.Tensor) -> tuple[float, int]:
+    """(statistic, degrees of freedom) of the sampled tokens against probabilities
+    `expected`, over the tokens expected at least 5 times (the rest must never appear)."""
+    n = len(sampled)
+    observed = torch.bincount(sampled, minlength=len(expected)).double()
+    counts = expected.double() * n
+    assert observed[counts == 0].sum() == 0, "sampled a token of probability 0"
+    big = counts >= 5
+    rest_obs, rest_exp = observed[~big & (counts > 0)].sum(), counts[~big & (counts > 0)].sum()
+    stat = float(((observed[big] - counts[big]) ** 2 / counts[big]).sum())
+    if rest_exp >= 5:
+        stat += float((rest_obs - rest_exp) ** 2 / rest_exp)
+    return stat, int(big.sum()) - (0 if rest_exp >= 5 else 1)
+
+
+@pytest.mark.parametrize("case", [{"temperature": 1.3}, {"temperature": 0.8, "top_p": 0.9},
+                                  {"temperature": 2.0, "min_p": 0.05}])
+def test_chi_square_against_softmax(case: dict) -> None:
+    """50k draws over a 40-token vocabulary (with and without filters, which take the
+    pre-scaled path) against softmax(logits / T) over the kept tokens. The statistic has
+    mean df and std sqrt(2 df); df + 8 std has p < 1e-6, and a sampler off by a few
+    percent on a likely token lands far above it."""
+    torch.manual_seed(99)
+    vocab, n = 40, 50_000
+    row = random_logits(1, vocab, seed=11)[0] / 2
+    params = SamplingParams(**case)
+    meta = build(make_rows([params] * n), vocab)
+    sampled = Sampler()(row.expand(n, vocab).contiguous(), meta).sampled_token_ids
+    processed = Sampler().processed_logits(row.unsqueeze(0), build(make_rows([params]), vocab))[0]
+    stat, df = chi_square(sampled, torch.softmax(processed, -1))
+    assert stat < df + 8 * math.sqrt(2 * df), (stat, df)
+
+
+def test_gumbel_noise_distribution_and_tail() -> None:
+    """gumbel_noise is Gumbel(0, 1): a KS test over 2**20 draws; and each word's value is the
+    exact -log(-log(1 - w)) (float64) to float32 precision wherever w < 0.99, including the
+    largest noise values (tiny words: the draws that win), which a float32 1 - w would
+    coarsen. Near w = 1 (noise < -1.5, draws that never win) 1 - w is coarse by design."""
+    bits = torch.randint(0, 2**32, (2**20,), generator=torch.Generator().manual_seed(0))
+    g = gumbel_noise(bits).double().sort().values
+    cdf = torch.exp(-torch.exp(-g))
+    ecdf = torch.arange(1, len(g) + 1, dtype=torch.float64) / len(g)
+    assert (cdf - ecdf).abs().max() < 1.63 / math.sqrt(len(g))  # KS at p = 0.01
+
+    words = torch.cat([torch.arange(0, 64), torch.tensor([2**20, 3 << 24, 2**26, 2**31]),
+                       torch.arange(2**32 - 64, 2**32), bits[:4096]])
+    w = (words.double() + 0.5) / 2**32
+    exact = -torch.log(-torch.log1p(-w))
+    got = gumbel_noise(words).double()
+    fine = w < 0.99
+    torch.testing.assert_close(got[fine], exact[fine], rtol=2e-6, atol=2e-6)
+    coarse = ~fine & (words < 2**32 - 1024)  # the last words round w to (or clamp it at) 1 - 2**-24
+    torch.testing.assert_close(got[coarse], exact[coarse], rtol=0, atol=0.05)
+    assert torch.isfinite(got).all() and got.max() < 23 and got.min() > -3
+    assert got[0] > 22  # word 0: w = 2**-33, noise -log(2**-33) = 22.9
+    assert got[1] < got[0] and got[2] < got[1]  # distinct steps at the top
+
+
+def test_minus_inf_tokens_never_sampled(backend: str) -> None:
+    """Only a few finite logits, all very low, under a high temperature: still only them."""
+    n = 200 if backend == "torch" else 6
+    logits = torch.full((n, V), -INF)
+    logits[:, [2, 40, 63]] = -80.0
+    logits[::2, 41] = -90.0
+    meta = build(make_rows([SamplingParams(temperature=5.0)] * n))
+    sampled = Sampler()(logits, meta).sampled_token_ids
+    assert set(sampled[1::2].tolist()) <= {2, 40, 63}
+    assert set(sampled[::2].tolist()) <= {2, 40, 41, 63}
+
+
+def test_unedited_logits_are_read_without_a_copy(backend: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """No penalties, min_tokens or filters: greedy and temperature rows read the caller's
+    (bf16) logits directly, and leave them unchanged."""
+    def no_copy(*args: object) -> None:
+        raise AssertionError("copied the logits")
+
+    monkeypatch.setattr(Sampler, "penalised_logits", no_copy)
+    logits = random_logits(4, seed=12).bfloat16()
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7),
+              SamplingParams(temperature=1e-4), SamplingParams(temperature=0.0, logprobs=1)]
+    meta = build(make_rows(params))
+    assert not meta.edits_logits
+    sampled = Sampler()(logits, meta).sampled_token_ids
+    assert torch.equal(logits, before)
+    greedy = logits.float().argmax(-1)
+    # Row 2's temperature is so low that the noise cannot overturn the argmax.
+    assert sampled[[0, 2, 3]].tolist() == greedy[[0, 2, 3]].tolist()
 
 
 # --- penalties -------------------------------------------------------------------------
@@ -327,35 +432,52 @@ def run_seeded(position: int, others: list[SamplingParams], steps: int, seed: in
     return tokens
 
 
-def test_seeded_rows_reproducible_and_batch_independent() -> None:
-    params = SamplingParams(temperature=1.0, seed=42, top_k=40)
-    steps = 30
+@pytest.mark.parametrize("top_k", [40, 0])  # the pre-scaled (filtered) path, and the plain one
+def test_seeded_rows_reproducible_and_batch_independent(backend: str, top_k: int) -> None:
+    params = SamplingParams(temperature=1.0, seed=42, top_k=top_k)
+    steps = 30 if backend == "torch" else 5
     reference = run_seeded(0, [], steps, 42, params)
-    assert len(set(reference)) > 5  # it really samples
+    assert len(set(reference)) > steps // 2  # it really samples
     compositions = [
         (0, [SamplingParams(temperature=0.0)] * 3),
         (2, [SamplingParams(temperature=0.5), SamplingParams(top_p=0.3), SamplingParams()]),
         (1, [SamplingParams(min_p=0.2, logprobs=2), SamplingParams(temperature=0.0)]),
         (4, [SamplingParams(top_k=3)] * 6),
     ]
+    if backend == "triton":
+        compositions = compositions[1:3]  # the interpreter is slow
     for position, others in compositions:
         torch.manual_seed(position)  # the unseeded rows' RNG state must not matter
         assert run_seeded(position, others, steps, 42, params) == reference
     assert run_seeded(0, [], steps, 43, params) != reference
 
 
-def test_two_rows_same_seed_same_tokens() -> None:
+def test_two_rows_same_seed_same_tokens(backend: str) -> None:
     row = random_logits(1, seed=8)[0]
     logits = torch.stack([row, random_logits(1, seed=9)[0], row])
     gens = [torch.Generator().manual_seed(7), None, torch.Generator().manual_seed(7)]
     params = [SamplingParams(temperature=1.0, seed=7)] * 3
     sampler = Sampler()
-    for _ in range(20):
+    tokens = []
+    for _ in range(20 if backend == "torch" else 4):
         sampled = sampler(logits, build(make_rows(params, generators=gens))).sampled_token_ids
         assert sampled[0] == sampled[2]
+        tokens.append(sampled[0].item())
+    assert len(set(tokens)) > 1
 
 
-def test_greedy_rows_do_not_consume_their_generator() -> None:
+def test_unseeded_rows_differ_and_seeded_batches_leave_the_default_rng(backend: str) -> None:
+    logits = torch.zeros(4, V)  # uniform: every row's token is its noise's argmax
+    params = [SamplingParams()] * 4
+    sampled = Sampler()(logits, build(make_rows(params))).sampled_token_ids
+    assert len(set(sampled.tolist())) > 1
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    state = torch.get_rng_state()
+    Sampler()(logits, build(make_rows([SamplingParams(seed=1)] * 4, generators=gens)))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_greedy_rows_do_not_consume_their_generator(backend: str) -> None:
     gen = torch.Generator().manual_seed(5)
     state = gen.get_state()
     meta = build(make_rows([SamplingParams(temperature=0.0, seed=5), SamplingParams()],

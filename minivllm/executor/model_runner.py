@@ -137,6 +137,9 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager and config.attention_backend == "triton":
             self.decode_graphs = DecodeGraphs(self.model, self.buffers, config.max_num_seqs, config.max_model_len)
             self.decode_graphs.capture()
+        if self.device.type == "cuda" and tp_rank() == 0:  # rank 0 samples
+            from minivllm.kernels import sampling  # needs a GPU
+            sampling.warm_up(self.vocab_size, self.dtype, self.device)
 
     # --- set-up -----------------------------------------------------------------------------
 

@@ -6,11 +6,16 @@ One step, for a batch of B rows of logits [B, V]:
 2. min_tokens: until a row has min_tokens outputs, its stop tokens (and EOS) are set to -inf.
 3. penalties: repetition (prompt or output tokens), frequency and presence (output tokens).
 4. greedy rows (temperature ~ 0) take the argmax of the penalised logits.
-5. random rows: divide by temperature, then min_p, top_k, top_p, then sample with the
-   exponential race (argmax of probs / Exp(1) noise), which equals sampling from probs.
-   A seeded row draws its noise from its own generator, so its tokens do not depend on
-   what else is in the batch or where its row is.
+5. random rows: with min_p, top_k or top_p, divide by temperature and set the filtered-out
+   tokens to -inf; then sample with the Gumbel-max trick: argmax(logits + T * Gumbel noise)
+   (T = 1 once divided), the same as argmax(logits / T + noise), is a sample from
+   softmax(logits / T), with no softmax computed. On CUDA tensors this is one Triton
+   kernel (minivllm/kernels/sampling.py) that draws the noise in registers; on CPU the same
+   formula in torch (`gumbel_noise`). A seeded row draws its randomness from its own
+   generator, so its tokens do not depend on what else is in the batch or where its row is.
 
+Steps 2, 3 and the filters work on a float32 copy of the logits; a step that needs none of
+them reads the model's logits as they are (the caller's tensor is never modified).
 Nothing loops over the vocabulary in Python; the only Python loops are over rows when
 building the metadata and over seeded rows for their generators.
 """
@@ -30,6 +35,11 @@ from minivllm.sampling_params import GREEDY_EPSILON, SamplingParams
 _MAX_TOP_K_WITHOUT_FULL_SORT = 1024
 
 _NEG_INF = float("-inf")
+
+# Per-step random draws: a Philox key per row for the Triton kernel, 32-bit words per token
+# for the torch formula (both exclusive upper bounds of Tensor.random_).
+_SEED_HIGH = 2**63 - 1
+_BITS_HIGH = 2**32
 
 
 @dataclass
@@ -77,6 +87,16 @@ class SamplingMetadata:
 
     generators: dict[int, torch.Generator]  # row -> generator, seeded random rows only
     max_num_logprobs: int | None  # max over rows of params.logprobs; None: nobody asks
+
+    @property
+    def has_filters(self) -> bool:
+        return self.top_k is not None or self.top_p is not None or self.min_p is not None
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether any step writes into the logits (then on a float32 copy)."""
+        return (self.min_tokens_rows is not None or self.output_token_ids is not None
+                or self.has_filters)
 
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int,
@@ -209,7 +229,8 @@ class Sampler(torch.nn.Module):
         # Raw logprobs first, before anything changes the logits (vLLM's default).
         raw_logprobs = (torch.log_softmax(logits.float(), dim=-1)
                         if meta.max_num_logprobs is not None else None)
-        logits = self.penalised_logits(logits, meta)
+        if meta.edits_logits:
+            logits = self.penalised_logits(logits, meta)
         sampled = self.sample(logits, meta)
         if raw_logprobs is None:
             return SamplerOutput(sampled, None, None, None)
@@ -248,12 +269,16 @@ class Sampler(torch.nn.Module):
         return logits
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Next token per row from penalised logits (consumed in place)."""
+        """Next token per row from penalised logits: penalised_logits' copy when
+        meta.edits_logits (the filters then work in place on it), else the model's logits,
+        any float dtype, only read."""
         greedy = None if meta.all_random else logits.argmax(dim=-1)
         if meta.all_greedy:
             return greedy
-        probs = self.filter_logits(logits, meta).softmax(dim=-1)
-        sampled = _exponential_race(probs, meta.generators)
+        if meta.has_filters:  # the filters need the scaled logits: scale them in place
+            sampled = gumbel_max_sample(self.filter_logits(logits, meta), None, meta.generators)
+        else:  # the noise is scaled instead, in the same pass
+            sampled = gumbel_max_sample(logits, meta.temperature, meta.generators)
         if meta.all_random:
             return sampled
         return torch.where(meta.greedy_mask, greedy, sampled)
@@ -315,19 +340,55 @@ def _top_k_top_p_cutoff(logits: torch.Tensor, meta: SamplingMetadata) -> torch.T
     return cutoff
 
 
-def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """argmax(probs / E) with E ~ Exp(1) i.i.d. is a sample from probs, with no cumsum/search.
+def gumbel_max_sample(logits: torch.Tensor, temperature: torch.Tensor | None,
+                      generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """[B] int64: per row, argmax_j(logits_j + T * G_j) with G_j ~ Gumbel(0, 1) i.i.d., a
+    sample from softmax(logits / T) (temperature None: T = 1, the logits are scaled already).
 
-    Seeded rows draw their V exponentials from their own generator, one full row per step,
-    so their stream does not depend on the batch. Others share the device's default RNG."""
-    noise = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        noise.exponential_()
+    Seeded rows take their randomness from their own generator only; the other rows from
+    the device's default generator. CUDA tensors: one Philox key per row and step (the
+    kernel derives token j's noise from (key, j)). CPU tensors: 32-bit words per token,
+    turned into noise by gumbel_noise. Either way a row's noise does not depend on the
+    batch. No host synchronisation."""
+    num_rows, vocab_size = logits.shape
+    if _use_triton(logits):
+        from minivllm.kernels import sampling  # imported only where Triton is used
+        seeds = _draw_per_row(num_rows, 1, _SEED_HIGH, generators, logits.device)
+        return sampling.gumbel_max_sample(logits, seeds.view(num_rows), temperature)
+    noise = gumbel_noise(_draw_per_row(num_rows, vocab_size, _BITS_HIGH, generators, logits.device))
+    if temperature is not None:
+        noise.mul_(temperature.unsqueeze(1))
+    return noise.add_(logits).argmax(dim=-1)
+
+
+def _use_triton(logits: torch.Tensor) -> bool:
+    """The Triton kernel for CUDA tensors; the torch formula elsewhere (tests patch this to
+    run the kernel on CPU under Triton's interpreter)."""
+    return logits.is_cuda
+
+
+def _draw_per_row(num_rows: int, width: int, high: int, generators: dict[int, torch.Generator],
+                  device: torch.device) -> torch.Tensor:
+    """[num_rows, width] int64, uniform in [0, high): a seeded row's from its own generator
+    (so it consumes the same draws wherever the row sits), the others' from the device's
+    default generator (not touched when every row is seeded)."""
+    draws = torch.empty(num_rows, width, dtype=torch.int64, device=device)
+    if len(generators) < num_rows:
+        draws.random_(0, high)
     for row, generator in generators.items():
-        noise[row].exponential_(generator=generator)
-    # An exact 0 draw would turn a filtered-out token's 0/0 into NaN, which argmax picks.
-    noise.clamp_(min=torch.finfo(torch.float32).tiny)
-    return probs.div_(noise).argmax(dim=-1)
+        draws[row].random_(0, high, generator=generator)
+    return draws
+
+
+def gumbel_noise(bits: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise (float32) from uniform 32-bit words (an int64 tensor in [0, 2**32)):
+    w = (r + 1/2) / 2**32, E = -log(1 - w) ~ Exp(1), G = -log(E). The same float32 steps as
+    the Triton kernel's `_gumbel_noise` (minivllm/kernels/sampling.py, whose docstring says
+    why E comes from a series for small w and why w is clamped below 1)."""
+    w = (bits.float() + 0.5).mul_(2.0**-32).clamp_(max=1.0 - 2.0**-24)
+    series = w + w * w * (0.5 + w * (1 / 3 + w * 0.25))
+    e = torch.where(w < 2.0**-6, series, (1.0 - w).log_().neg_())
+    return e.log_().neg_()
 
 
 def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
