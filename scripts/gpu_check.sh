@@ -15,7 +15,7 @@
 #          measured; the first 128 drawn the same way are 66,720 tokens, ~1.8 min.
 #          Its tok/s is therefore at half W1's concurrency: not the exact W1 number.
 #   w1_8b  W1 throughput, qwen3-8b                                     (~1-2 min)
-#   kernels  attention_kernels.py, cascade_attention.py, fused_ops.py, skinny_matmul.py (~3 min)
+#   kernels  attention_kernels.py, cascade_attention.py, fused_ops.py, skinny_matmul.py, sampler.py (~3 min)
 #   profile  step_profile.py at batch 256 and 1, and W3's decode step (host vs GPU time, top kernels)
 #
 # Environment: OUT (logs; default /tmp/gpu_check), BENCH_ARGS (extra arguments for every
@@ -86,7 +86,8 @@ for step in ${GPU_CHECK//,/ }; do
             run_step attention_kernels python3 benchmarks/attention_kernels.py
             run_step cascade_attention python3 benchmarks/cascade_attention.py
             run_step fused_ops python3 benchmarks/fused_ops.py
-            run_step skinny_matmul python3 benchmarks/skinny_matmul.py ;;
+            run_step skinny_matmul python3 benchmarks/skinny_matmul.py
+            run_step sampler python3 benchmarks/sampler.py ;;
         profile)  # where a decode step's time goes (host vs GPU, top kernels)
             run_step profile_b256 python3 benchmarks/step_profile.py --batch 256 --context 1000
             run_step profile_b1 python3 benchmarks/step_profile.py --batch 1 --context 1000
