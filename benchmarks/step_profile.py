@@ -7,13 +7,22 @@ from torch.profiler.
 
     python benchmarks/step_profile.py --model qwen3-0.6b --batch 256 --context 1000
     python benchmarks/step_profile.py --batch 256 --shared-prefix 2048 --context 64   # W3's decode
+    python benchmarks/step_profile.py --prefill --context 1024     # W2's time to first token
+
+--prefill times whole generate() calls of one fresh --context-token prompt and one output
+token instead: wall time per call against the GPU kernel time per call (the gap is host
+work: the eager forward's launches, scheduling, sampling, output).
 """
 
 import argparse
+import cProfile
+import pstats
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -32,17 +41,66 @@ def main() -> None:
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="tokens every prompt starts with (before its own --context tokens)")
     parser.add_argument("--cprofile", action="store_true", help="also print the host's top functions")
+    parser.add_argument("--prefill", action="store_true", help="profile single-prompt prefills (TTFT)")
     args = parser.parse_args()
-    from minivllm import SamplingParams
-
     spec = resolve_model(args.model)
     llm, _ = make_llm(args, spec, max_num_seqs=max(args.batch, 1))
+    if args.prefill:
+        profile_prefill(llm, args, spec.vocab_size)
+    else:
+        profile_decode(llm, args, spec.vocab_size)
+
+
+def host_profile(run: Callable[[], None], args: argparse.Namespace) -> None:
+    """With --cprofile: the host's top functions over `run`."""
+    if args.cprofile:
+        with cProfile.Profile() as profile:
+            run()
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(25)
+
+
+def gpu_profile(run: Callable[[], None], calls: int) -> str:
+    """GPU kernel time per call over `run` (which makes `calls` calls) and the top kernels."""
+    # (On a machine without CUDA, for smoke runs: CPU events, and 0 ms of kernels.)
+    activity = torch.profiler.ProfilerActivity.CUDA if torch.cuda.is_available() else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity]) as prof:
+        run()
+    events = prof.key_averages()
+    gpu_us = sum(e.device_time_total for e in events) / calls
+    return f"{gpu_us / 1e3:.3f} ms", events.table(sort_by="device_time_total", row_limit=12, max_name_column_width=60)
+
+
+def profile_prefill(llm: Any, args: argparse.Namespace, vocab_size: int) -> None:
+    from minivllm import SamplingParams
+
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+
+    def run() -> None:  # fresh prompts: nothing comes from the prefix cache
+        for _ in range(args.steps):
+            llm.generate({"prompt_token_ids": random_prompt(rng, args.context, vocab_size)}, params, use_tqdm=False)
+        synchronize()
+
+    run()  # warm-up
+    start = time.perf_counter()
+    run()
+    wall = (time.perf_counter() - start) / args.steps
+    gpu, table = gpu_profile(run, args.steps)
+    print(f"== prefill profile: one {args.context}-token prompt, 1 output token")
+    print(f"wall per generate() {wall * 1e3:.3f} ms | GPU kernels per generate() {gpu}")
+    print(table)
+    host_profile(run, args)
+
+
+def profile_decode(llm: Any, args: argparse.Namespace, vocab_size: int) -> None:
+    from minivllm import SamplingParams
+
     engine = llm.llm_engine
     rng = random.Random(0)
-    prefix = random_prompt(rng, args.shared_prefix, spec.vocab_size) if args.shared_prefix else []
+    prefix = random_prompt(rng, args.shared_prefix, vocab_size) if args.shared_prefix else []
     params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=10 * args.steps + 100)
     for i in range(args.batch):
-        engine.add_request(f"p{i}", {"prompt_token_ids": prefix + random_prompt(rng, args.context, spec.vocab_size)}, params)
+        engine.add_request(f"p{i}", {"prompt_token_ids": prefix + random_prompt(rng, args.context, vocab_size)}, params)
     while engine.scheduler.waiting or any(s.num_output_tokens < 2 for s in engine.scheduler.running):
         engine.step()
     for _ in range(5):
@@ -67,24 +125,18 @@ def main() -> None:
     synchronize()
     wall = (time.perf_counter() - start) / args.steps
     host = wall - waited / args.steps
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+
+    def run() -> None:
         for _ in range(args.steps):
             engine.step()
         synchronize()
-    events = prof.key_averages()
-    gpu_us = sum(e.device_time_total for e in events) / args.steps
+
+    gpu, table = gpu_profile(run, args.steps)
     print(f"== step profile: batch {args.batch}, context ~{args.context}, shared prefix {args.shared_prefix}")
     print(f"wall per step {wall * 1e3:.3f} ms | host per step (not waiting) {host * 1e3:.3f} ms | "
-          f"GPU kernels per step {gpu_us / 1e3:.3f} ms")
-    print(prof.key_averages().table(sort_by="device_time_total", row_limit=12, max_name_column_width=60))
-    if args.cprofile:
-        import cProfile
-        import pstats
-        with cProfile.Profile() as host_profile:
-            for _ in range(args.steps):
-                engine.step()
-            synchronize()
-        pstats.Stats(host_profile).sort_stats("cumulative").print_stats(25)
+          f"GPU kernels per step {gpu}")
+    print(table)
+    host_profile(run, args)
     for request_id in list(engine.requests):
         engine.abort_request(request_id)
 

@@ -16,7 +16,7 @@
 #          Its tok/s is therefore at half W1's concurrency: not the exact W1 number.
 #   w1_8b  W1 throughput, qwen3-8b                                     (~1-2 min)
 #   kernels  attention_kernels.py, cascade_attention.py, fused_ops.py, skinny_matmul.py, sampler.py (~3 min)
-#   profile  step_profile.py at batch 256 and 1, and W3's decode step (host vs GPU time, top kernels)
+#   profile  step_profile.py at batch 256 and 1, W3's decode step, W2's prefill (host vs GPU time, top kernels)
 #
 # Environment: OUT (logs; default /tmp/gpu_check), BENCH_ARGS (extra arguments for every
 # benchmark, e.g. "--enforce-eager"), STEP_TIMEOUT (seconds per step, default 480),
@@ -91,7 +91,8 @@ for step in ${GPU_CHECK//,/ }; do
         profile)  # where a decode step's time goes (host vs GPU, top kernels)
             run_step profile_b256 python3 benchmarks/step_profile.py --batch 256 --context 1000
             run_step profile_b1 python3 benchmarks/step_profile.py --batch 1 --context 1000
-            run_step profile_w3 python3 benchmarks/step_profile.py --batch 256 --shared-prefix 2048 --context 64 ;;
+            run_step profile_w3 python3 benchmarks/step_profile.py --batch 256 --shared-prefix 2048 --context 64
+            run_step profile_ttft python3 benchmarks/step_profile.py --prefill --context 1024 --steps 10 ;;
         *) echo "unknown step '$step' (steps: $ALL_STEPS)"; failed=1 ;;
     esac
 done
