@@ -128,20 +128,26 @@ class ModelRunner:
         self._sampled_host = [torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
                               for _ in range(2)]
         self._token_buffer = 0
-        if self.device.type == "cuda" and config.attention_backend == "triton" \
-                and config.max_num_seqs >= CASCADE_MIN_SEQS:
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda":
+            self._compile_and_capture()
+
+    # --- set-up -----------------------------------------------------------------------------
+
+    def _compile_and_capture(self) -> None:
+        """Compile what steps will launch and capture the decode CUDA graphs now, at start-up:
+        a kernel compiled inside a step stalls it for about a second."""
+        config = self.config
+        if config.attention_backend == "triton" and config.max_num_seqs >= CASCADE_MIN_SEQS:
             attn = self.model.attention_layers()[0]
             self.backend.warm_up_shared_prefix((attn.num_heads, attn.head_dim), self.dtype, attn.k_cache,
                                                attn.v_cache, config.max_num_seqs)
-        self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager and config.attention_backend == "triton":
+        if config.attention_backend == "triton" and not config.enforce_eager:
             self.decode_graphs = DecodeGraphs(self.model, self.buffers, config.max_num_seqs, config.max_model_len)
             self.decode_graphs.capture()
-        if self.device.type == "cuda" and tp_rank() == 0:  # rank 0 samples
+        if tp_rank() == 0:  # rank 0 samples
             from minivllm.kernels import sampling  # needs a GPU
             sampling.warm_up(self.vocab_size, self.dtype, self.device)
-
-    # --- set-up -----------------------------------------------------------------------------
 
     def _make_attention_backend(self) -> AttentionBackend:
         if self.config.attention_backend == "triton":
