@@ -2,6 +2,15 @@
 
 import os
 
+import torch
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision for inputs of this dtype: fp32 inputs would otherwise go
+    through TF32 (10-bit mantissa); fp32 is the "exact" option, so keep it (nearly) exact
+    with three TF32 products. 16-bit inputs ignore this."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
 
 def patch_triton_interpreter() -> None:
     """Make Triton 3.6's interpreter work with NumPy >= 2.4.

@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels import dot_precision
+
 LOG2E = 1.4426950408889634  # softmax runs in base 2 (exp2 is the native instruction)
 
 
@@ -379,12 +381,6 @@ def _check_inputs(q, k_cache, v_cache, block_tables):
     return num_q_heads, num_kv_heads, head_dim, block_size
 
 
-def _dot_precision(dtype):
-    # fp32 inputs would otherwise go through TF32 (10-bit mantissa); fp32 is the
-    # "exact" option, so keep it exact. 16-bit inputs ignore this.
-    return "tf32x3" if dtype == torch.float32 else "tf32"
-
-
 def mixed_config(head_dim: int, dtype: torch.dtype, gqa: int) -> dict:
     """Tile sizes for the mixed kernel: BLOCK_M = BLOCK_Q * GQA_PAD query rows per program.
 
@@ -460,7 +456,7 @@ def paged_attention_mixed(
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
         BLOCK_N=cfg["BLOCK_N"],
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -614,7 +610,7 @@ def _launch_decode_split(
         BLOCK_SIZE=block_size,
         BLOCK_N=cfg["BLOCK_N"],
         MODE=mode,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

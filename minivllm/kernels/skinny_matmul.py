@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels import dot_precision
+
 # Largest batch this kernel serves; larger ones are GEMM-shaped and stay with cuBLAS.
 MAX_ROWS = 16
 
@@ -67,8 +69,9 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """`F.linear(x, weight, bias)` for x [M, K] with M <= MAX_ROWS: a new [M, N] tensor.
 
     weight [N, K] and x share a float dtype, both with a contiguous last dimension (x's
-    row stride is free); fp32 accumulation; fp32 inputs multiply in full precision (no
-    TF32). `config` overrides skinny_matmul_config() (BLOCK_N, BLOCK_K, num_warps, num_stages).
+    row stride is free); fp32 accumulation; fp32 inputs multiply at about fp32 precision
+    (dot_precision: three TF32 products, not one). `config` overrides skinny_matmul_config()
+    (BLOCK_N, BLOCK_K, num_warps, num_stages).
     """
     num_rows, k = x.shape
     n = weight.shape[0]
@@ -91,7 +94,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         BLOCK_M=MAX_ROWS,
         BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"],
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=dot_precision(x.dtype),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
