@@ -6,7 +6,7 @@
 #   MINIVLLM_COMMIT=abc1234 GPU_CHECK=w1 bash scripts/gpu_check.sh
 #
 # Steps (GPU_CHECK, comma-separated; default "all"):
-#   tests  python3 -m pytest -m gpu -q tests
+#   tests  python3 -m pytest -m gpu -v tests (one line per test: a step cut by STEP_TIMEOUT still shows progress)
 #   w1     W1 throughput, qwen3-0.6b                                   (~1 min incl. start-up)
 #   w2     W2 latency, qwen3-0.6b                                      (< 1 min)
 #   w3     W3 shared prefix, caching on and off, qwen3-0.6b            (~1-2 min, two engines)
@@ -76,7 +76,7 @@ echo "steps: $GPU_CHECK" | tee -a "$OUT/env.txt"
 
 for step in ${GPU_CHECK//,/ }; do
     case "$step" in
-        tests) run_step gpu_tests python3 -m pytest -m gpu -q tests ;;
+        tests) run_step gpu_tests python3 -m pytest -m gpu -v --tb=short --durations=15 -p no:cacheprovider tests ;;
         w1)    bench w1 throughput.py --model qwen3-0.6b ;;
         w2)    bench w2 latency.py --model qwen3-0.6b ;;
         w3)    bench w3 prefix_cache.py --model qwen3-0.6b ;;
