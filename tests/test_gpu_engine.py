@@ -110,3 +110,37 @@ def test_cascade_attention_for_a_shared_prefix(tiny_model_factory, cascade_calls
     else:
         assert any(replays), "no cascade graph was replayed"
     assert_greedy_matches_hf(model_dir, prompts, outputs, max_tokens=12)
+
+
+def test_no_kernel_compiles_after_start_up(tiny_model_factory, cascade_calls: list[int],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Triton compilation inside a step stalls it for about a second (W3 ran at half speed
+    that way): every kernel variant a step can launch is compiled at start-up. A workload
+    with chunked prefill, mixed and decode steps of many sizes, cascade steps, greedy,
+    random, seeded, filtered and penalised sampling, then a check that nothing compiled."""
+    import dataclasses
+
+    import triton
+
+    from minivllm.executor.cuda_graphs import DecodeGraphs
+
+    model_dir = tiny_model_factory("Qwen3ForCausalLM", dtype=torch.bfloat16)
+    llm = gpu_llm(model_dir, dtype="bfloat16", max_num_batched_tokens=40)
+    compiled: list[str] = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook",
+                        lambda **kwargs: compiled.append(kwargs["repr"]))
+    replays: list[bool] = []
+    real_replay = DecodeGraphs.replay
+    monkeypatch.setattr(DecodeGraphs, "replay", lambda self, size, cascade: replays.append(cascade)
+                        or real_replay(self, size, cascade))
+    prompts = mixed_prompts(vocab(model_dir), seed=14)
+    sharing = [prompts[-2][:40] + [7 + i] for i in range(9)]  # five shared blocks: cascade steps
+    samplings = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.6),
+                 SamplingParams(temperature=0.8, seed=3), SamplingParams(temperature=1.0, top_p=0.9),
+                 SamplingParams(temperature=0.7, top_k=5, presence_penalty=0.5)]
+    for batch in (prompts, prompts, sharing):  # the second round hits the prefix cache
+        params = [dataclasses.replace(samplings[i % len(samplings)], max_tokens=4 + i % 9, ignore_eos=True)
+                  for i in range(len(batch))]
+        llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    assert any(replays) and not all(replays), "the workload should replay plain and cascade graphs"
+    assert not compiled, f"kernels compiled after start-up: {compiled}"
