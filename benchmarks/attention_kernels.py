@@ -28,6 +28,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, uninstalled
 from benchmarks.common import kernel_benchmark_args  # noqa: E402
+from minivllm.kernels import sm_count  # noqa: E402
 from minivllm.kernels import paged_attention as pa  # noqa: E402
 
 HQ, HKV, D, BLOCK = 16, 8, 128, 16
@@ -64,7 +65,7 @@ def bench_decode(name, seq_lens, sweep):
     batch = len(seq_lens)
     q = torch.randn(batch, HQ, D, dtype=DTYPE, device="cuda")
     kv_bytes = sum(seq_lens) * HKV * D * 2 * k_cache.element_size()  # K and V, every head
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = sm_count(torch.device("cuda", 0))
     default_splits = pa.decode_num_splits(batch, HKV, max(seq_lens), sms)
     graph_splits = pa.decode_num_splits(batch, HKV, 4096, sms)  # as captured: max_model_len
     default_cfg = pa.decode_config(D, DTYPE)

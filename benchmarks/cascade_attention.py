@@ -24,6 +24,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, uninstalled
 from benchmarks.attention_kernels import BLOCK, DTYPE, HKV, HQ, PEAK_BW, D  # noqa: E402
 from benchmarks.common import kernel_benchmark_args  # noqa: E402
+from minivllm.kernels import sm_count  # noqa: E402
 from minivllm.kernels import paged_attention as pa  # noqa: E402
 
 NUM_SEQS = 256
@@ -62,7 +63,7 @@ def main() -> None:
     k_cache, v_cache, lens, table, num_prefix_blocks, seq_lens = build_w3()
     q = torch.randn(NUM_SEQS, HQ, D, dtype=DTYPE, device="cuda")
     scale = D ** -0.5
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = sm_count(torch.device("cuda", 0))
     token_bytes = HKV * D * 2 * k_cache.element_size()  # K and V of one token, all KV heads
     suffix_tokens = sum(seq_lens) - NUM_SEQS * PREFIX_LEN
     print(f"\n== W3 decode step, one layer: {NUM_SEQS} seqs, {PREFIX_LEN} shared + "

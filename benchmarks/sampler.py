@@ -93,7 +93,7 @@ def sweep() -> None:
                     for per_sm in (2, 4, 8):
                         def config(b: int, v: int, d: torch.device, block: int = block,
                                    warps: int = warps, per_sm: int = per_sm) -> tuple[int, int, int]:
-                            want = triton.cdiv(per_sm * sampling._sm_count(d), b)
+                            want = triton.cdiv(per_sm * sampling.sm_count(d), b)
                             return block, max(1, min(want, triton.cdiv(v, max(block, 2048)))), warps
                         sampling._launch_config = config
                         splits = config(num_rows, VOCAB, torch.device("cuda", 0))[1]

@@ -89,15 +89,21 @@ def test_full_length_sequence_under_cuda_graphs(tiny_model_factory) -> None:
         assert_greedy_matches_hf(model_dir, [prompt], [tokens], 64 - len(prompt))
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True])
-def test_cascade_attention_for_a_shared_prefix(tiny_model_factory, cascade_calls: list[int],
-                                               monkeypatch: pytest.MonkeyPatch, enforce_eager: bool) -> None:
+@pytest.fixture
+def replays(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """The cascade flag of every decode-graph replay from here on."""
     from minivllm.executor.cuda_graphs import DecodeGraphs
 
-    replays: list[bool] = []  # the cascade flag of every graph replay
+    flags: list[bool] = []
     real_replay = DecodeGraphs.replay
-    monkeypatch.setattr(DecodeGraphs, "replay", lambda self, size, cascade: replays.append(cascade)
+    monkeypatch.setattr(DecodeGraphs, "replay", lambda self, size, cascade: flags.append(cascade)
                         or real_replay(self, size, cascade))
+    return flags
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_cascade_attention_for_a_shared_prefix(tiny_model_factory, cascade_calls: list[int], replays: list[bool],
+                                               enforce_eager: bool) -> None:
     model_dir = tiny_model_factory("Qwen3ForCausalLM")
     shared = mixed_prompts(vocab(model_dir), seed=13)[-2][:40]  # five 8-token blocks
     prompts = [shared + [3 + i, 50 + i] for i in range(10)]
@@ -112,7 +118,7 @@ def test_cascade_attention_for_a_shared_prefix(tiny_model_factory, cascade_calls
     assert_greedy_matches_hf(model_dir, prompts, outputs, max_tokens=12)
 
 
-def test_no_kernel_compiles_after_start_up(tiny_model_factory, cascade_calls: list[int],
+def test_no_kernel_compiles_after_start_up(tiny_model_factory, cascade_calls: list[int], replays: list[bool],
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A Triton compilation inside a step stalls it for about a second (W3 ran at half speed
     that way): every kernel variant a step can launch is compiled at start-up. A workload
@@ -122,17 +128,11 @@ def test_no_kernel_compiles_after_start_up(tiny_model_factory, cascade_calls: li
 
     import triton
 
-    from minivllm.executor.cuda_graphs import DecodeGraphs
-
     model_dir = tiny_model_factory("Qwen3ForCausalLM", dtype=torch.bfloat16)
     llm = gpu_llm(model_dir, dtype="bfloat16", max_num_batched_tokens=40)
     compiled: list[str] = []
     monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook",
                         lambda **kwargs: compiled.append(kwargs["repr"]))
-    replays: list[bool] = []
-    real_replay = DecodeGraphs.replay
-    monkeypatch.setattr(DecodeGraphs, "replay", lambda self, size, cascade: replays.append(cascade)
-                        or real_replay(self, size, cascade))
     prompts = mixed_prompts(vocab(model_dir), seed=14)
     sharing = [prompts[-2][:40] + [7 + i] for i in range(9)]  # five shared blocks: cascade steps
     samplings = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.6),

@@ -133,7 +133,7 @@ def test_greedy_limit_and_empty_batch() -> None:
 
 def test_launch_config_fills_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Small batches split the vocabulary so that every SM has work; large ones do not."""
-    monkeypatch.setattr(sampling, "_sm_count", lambda device: 132)  # an H200, without a GPU
+    monkeypatch.setattr(sampling, "sm_count", lambda device: 132)  # an H200, without a GPU
     cuda = torch.device("cuda", 0)
     block, splits_1, _ = sampling._launch_config(1, 151_936, cuda)
     _, splits_256, _ = sampling._launch_config(256, 151_936, cuda)

@@ -20,6 +20,7 @@ import torch
 import triton
 
 from minivllm.attention.metadata import AttentionMetadata
+from minivllm.kernels import sm_count
 from minivllm.kernels.kv_store import store_kvcache
 from minivllm.kernels.paged_attention import (
     DECODE_MAX_SPLITS,
@@ -180,12 +181,7 @@ class TritonAttentionBackend:
 
     # -- helpers -------------------------------------------------------------------------
     def _sm_count(self, device: torch.device) -> int:
-        if self._num_sms is None:
-            if device.type == "cuda":
-                self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-            else:  # Triton interpreter on CPU: a small "GPU" so the tests see several splits
-                self._num_sms = 4
-        return self._num_sms
+        return self._num_sms if self._num_sms is not None else sm_count(device)
 
     def _alloc_workspace(self, rows: int, head_dim: int, device: torch.device) -> None:
         self._part_out = torch.empty(rows * head_dim, dtype=torch.float32, device=device)

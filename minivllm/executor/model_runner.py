@@ -138,13 +138,15 @@ class ModelRunner:
         """Compile what steps will launch and capture the decode CUDA graphs now, at start-up:
         a kernel compiled inside a step stalls it for about a second."""
         config = self.config
-        if config.attention_backend == "triton" and config.max_num_seqs >= CASCADE_MIN_SEQS:
+        if config.attention_backend == "triton" and not config.enforce_eager:
+            # Capturing runs every decode kernel, cascade included, at every batch size.
+            self.decode_graphs = DecodeGraphs(self.model, self.buffers, config.max_num_seqs, config.max_model_len)
+            self.decode_graphs.capture()
+        elif config.attention_backend == "triton" and config.max_num_seqs >= CASCADE_MIN_SEQS:
+            # Eager decode steps may take the cascade kernels: compile them here.
             attn = self.model.attention_layers()[0]
             self.backend.warm_up_shared_prefix((attn.num_heads, attn.head_dim), self.dtype, attn.k_cache,
                                                attn.v_cache, config.max_num_seqs)
-        if config.attention_backend == "triton" and not config.enforce_eager:
-            self.decode_graphs = DecodeGraphs(self.model, self.buffers, config.max_num_seqs, config.max_model_len)
-            self.decode_graphs.capture()
         if tp_rank() == 0:  # rank 0 samples
             from minivllm.kernels import sampling  # needs a GPU
             sampling.warm_up(self.vocab_size, self.dtype, self.device)

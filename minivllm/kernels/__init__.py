@@ -1,5 +1,6 @@
 """Triton kernels (GPU; on CPU they run under Triton's interpreter, TRITON_INTERPRET=1)."""
 
+import functools
 import os
 
 import torch
@@ -10,6 +11,15 @@ def dot_precision(dtype: torch.dtype) -> str:
     through TF32 (10-bit mantissa); fp32 is the "exact" option, so keep it (nearly) exact
     with three TF32 products. 16-bit inputs ignore this."""
     return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the device, for launch heuristics; on CPU (Triton's
+    interpreter) a small "GPU" of 4, so that tests see several splits."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
 
 
 def patch_triton_interpreter() -> None:

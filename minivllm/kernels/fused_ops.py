@@ -155,23 +155,27 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 # pairs element d with d + D/2), and the KV-cache store, in one kernel
 # ----------------------------------------------------------------------------------------
 @triton.jit
+def _first_halves(stride_h, NUM_HEADS: tl.constexpr, HALF: tl.constexpr,
+                  BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Offsets [BLOCK_HEADS, BLOCK_HALF] of one token's heads' first halves (the second
+    halves are HALF further), and their mask."""
+    heads = tl.arange(0, BLOCK_HEADS)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    return heads * stride_h + d, (heads < NUM_HEADS) & (d < HALF)
+
+
+@triton.jit
 def _load_halves(ptr, stride_h, NUM_HEADS: tl.constexpr, HALF: tl.constexpr,
                  BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """One token's [NUM_HEADS, 2 * HALF] heads as their two halves (model dtype)."""
-    heads = tl.arange(0, BLOCK_HEADS)[:, None]
-    d = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (heads < NUM_HEADS) & (d < HALF)
-    offs = heads * stride_h + d
+    offs, mask = _first_halves(stride_h, NUM_HEADS, HALF, BLOCK_HEADS, BLOCK_HALF)
     return tl.load(ptr + offs, mask=mask, other=0.0), tl.load(ptr + offs + HALF, mask=mask, other=0.0)
 
 
 @triton.jit
 def _store_halves(ptr, stride_h, x1, x2, NUM_HEADS: tl.constexpr, HALF: tl.constexpr,
                   BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    heads = tl.arange(0, BLOCK_HEADS)[:, None]
-    d = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (heads < NUM_HEADS) & (d < HALF)
-    offs = heads * stride_h + d
+    offs, mask = _first_halves(stride_h, NUM_HEADS, HALF, BLOCK_HEADS, BLOCK_HALF)
     tl.store(ptr + offs, x1, mask=mask)
     tl.store(ptr + offs + HALF, x2, mask=mask)
 

@@ -28,11 +28,11 @@ Ties (equal scores) go to the smallest token index, whatever the launch configur
 Nothing synchronises with the host.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from minivllm.kernels import sm_count
 
 _BLOCK = 2048  # tokens per loop iteration: 16 per thread with 4 warps, several loads in flight
 _NUM_WARPS = 4
@@ -123,20 +123,13 @@ def _argmax_of_splits_kernel(max_ptr, argmax_ptr, out_ptr, num_splits, BLOCK_S: 
     tl.store(out_ptr + row, tl.min(tl.where(best == top, best_token, 2**62), axis=0))
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # Triton's interpreter on CPU: a small "GPU", so tests see several splits
-
-
 def _launch_config(num_rows: int, vocab_size: int, device: torch.device) -> tuple[int, int, int]:
     """(BLOCK, num_splits, num_warps). One program per row leaves most SMs idle at small
     batches (B = 1 would read at one SM's bandwidth), so each row's vocabulary is split
     until the launch has _PROGRAMS_PER_SM programs per SM, but no split under
     _MIN_TOKENS_PER_SPLIT tokens. Depends on host integers only."""
     block = min(_BLOCK, max(16, triton.next_power_of_2(vocab_size)))
-    want = triton.cdiv(_PROGRAMS_PER_SM * _sm_count(device), num_rows)
+    want = triton.cdiv(_PROGRAMS_PER_SM * sm_count(device), num_rows)
     by_len = triton.cdiv(vocab_size, max(block, _MIN_TOKENS_PER_SPLIT))
     return block, max(1, min(want, by_len)), _NUM_WARPS
 
