@@ -16,7 +16,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use
     """F.linear, or for a small decode batch with Triton the weight-streaming kernel."""
     if use_triton:
         from minivllm.kernels import skinny_matmul  # imported only where Triton is used
-        if x.dim() == 2 and x.shape[0] <= skinny_matmul.MAX_ROWS:
+        if x.dim() == 2 and x.shape[0] <= skinny_matmul.ROUTED_ROWS:
             return skinny_matmul.skinny_matmul(x, weight, bias)
     return F.linear(x, weight, bias)
 
