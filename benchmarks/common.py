@@ -205,7 +205,7 @@ def make_llm(args: argparse.Namespace, spec: ModelSpec, **overrides: Any) -> tup
 
 def startup_metrics(llm: Any, startup: float) -> dict[str, Any]:
     """Start-up seconds, and of them the CUDA-graph capture (None: no graphs, e.g. eager)."""
-    graphs = llm.llm_engine.model_runner.decode_graphs
+    graphs = llm.llm_engine.model_runner.graphs
     return {"startup_s": startup, "graph_capture_s": graphs.capture_seconds if graphs else None}
 
 

@@ -90,19 +90,19 @@ def test_full_length_sequence_under_cuda_graphs(tiny_model_factory) -> None:
 
 
 @pytest.fixture
-def replays(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """The cascade flag of every decode-graph replay from here on."""
-    from minivllm.executor.cuda_graphs import DecodeGraphs
+def replays(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The kind of every CUDA-graph replay from here on ("decode", "cascade", "prefill")."""
+    from minivllm.executor.cuda_graphs import StepGraphs
 
-    flags: list[bool] = []
-    real_replay = DecodeGraphs.replay
-    monkeypatch.setattr(DecodeGraphs, "replay", lambda self, size, cascade: flags.append(cascade)
-                        or real_replay(self, size, cascade))
-    return flags
+    kinds: list[str] = []
+    real_replay = StepGraphs.replay
+    monkeypatch.setattr(StepGraphs, "replay", lambda self, size, kind: kinds.append(kind)
+                        or real_replay(self, size, kind))
+    return kinds
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True])
-def test_cascade_attention_for_a_shared_prefix(tiny_model_factory, cascade_calls: list[int], replays: list[bool],
+def test_cascade_attention_for_a_shared_prefix(tiny_model_factory, cascade_calls: list[int], replays: list[str],
                                                enforce_eager: bool) -> None:
     model_dir = tiny_model_factory("Qwen3ForCausalLM")
     shared = mixed_prompts(vocab(model_dir), seed=13)[-2][:40]  # five 8-token blocks
@@ -114,11 +114,11 @@ def test_cascade_attention_for_a_shared_prefix(tiny_model_factory, cascade_calls
     if enforce_eager:
         assert cascade_calls and not replays, "the cascade path was not taken eagerly"
     else:
-        assert any(replays), "no cascade graph was replayed"
+        assert "cascade" in replays, "no cascade graph was replayed"
     assert_greedy_matches_hf(model_dir, prompts, outputs, max_tokens=12)
 
 
-def test_no_kernel_compiles_after_start_up(tiny_model_factory, cascade_calls: list[int], replays: list[bool],
+def test_no_kernel_compiles_after_start_up(tiny_model_factory, cascade_calls: list[int], replays: list[str],
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A Triton compilation inside a step stalls it for about a second (W3 ran at half speed
     that way): every kernel variant a step can launch is compiled at start-up. A workload
@@ -142,5 +142,5 @@ def test_no_kernel_compiles_after_start_up(tiny_model_factory, cascade_calls: li
         params = [dataclasses.replace(samplings[i % len(samplings)], max_tokens=4 + i % 9, ignore_eos=True)
                   for i in range(len(batch))]
         llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-    assert any(replays) and not all(replays), "the workload should replay plain and cascade graphs"
+    assert set(replays) == {"decode", "cascade", "prefill"}, "the workload should replay every kind of graph"
     assert not compiled, f"kernels compiled after start-up: {compiled}"

@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minivllm.kernels.skinny_matmul import MAX_ROWS, skinny_matmul
+from minivllm.kernels import skinny_matmul as skinny_module
+from minivllm.kernels.skinny_matmul import MAX_ROWS, ROUTED_ROWS, skinny_matmul
+from minivllm.layers.linear import linear
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -50,6 +52,18 @@ def test_strided_rows_and_empty_batch():
         skinny_matmul(torch.ones(MAX_ROWS + 1, 64, device=DEVICE), torch.ones(8, 64, device=DEVICE))
 
 
+def test_linear_layers_route_only_small_batches_of_chosen_weights(monkeypatch):
+    rows_seen: list[int] = []
+    monkeypatch.setattr(skinny_module, "skinny_matmul",
+                        lambda x, w, b: rows_seen.append(x.shape[0]) or F.linear(x, w, b))
+    weight = torch.randn(8, 16)
+    for rows in (1, ROUTED_ROWS, ROUTED_ROWS + 1):
+        torch.testing.assert_close(linear(torch.ones(rows, 16), weight, None, use_skinny=True),
+                                   F.linear(torch.ones(rows, 16), weight))
+    linear(torch.ones(1, 16), weight, None, use_skinny=False)  # a weight where cuBLAS was faster
+    assert rows_seen == [1, ROUTED_ROWS]
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -58,3 +72,13 @@ def test_strided_rows_and_empty_batch():
 @pytest.mark.parametrize("num_rows", [1, 7, 16])
 def test_gpu_projection_shapes(dtype, n, k, num_rows):
     check(num_rows, n, k, dtype, bias=n == 4096)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_beats_cublas_times_each_shape_once():
+    weights = [torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    choice = skinny_module.beats_cublas(weights[0])
+    assert isinstance(choice, bool)
+    skinny_module._beats_cublas[(tuple(weights[0].shape), weights[0].dtype, weights[0].device)] = not choice
+    assert skinny_module.beats_cublas(weights[1]) is not choice  # cached: the same shape is not timed again

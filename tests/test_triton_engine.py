@@ -52,3 +52,47 @@ def test_architectures_without_qk_norm_match_hf(arch: str, tiny_model_factory) -
     prompts = [[rng.randrange(3, 700) for _ in range(n)] for n in (2, 11, 20)]
     llm = LLM(model_dir, dtype="float32", max_model_len=64, block_size=8, attention_backend="triton")
     assert greedy_outputs(llm, prompts, 5) == [hf_greedy(model_dir, p, 5)[0] for p in prompts]
+
+
+def test_padded_steps_compute_what_unpadded_steps_do(model_dir: str) -> None:
+    """What the CUDA graphs run, here eagerly: a step padded to a graph's size (empty
+    sequences, tokens stored nowhere; in a prefill graph every sequence goes through the
+    mixed kernel, decodes included) gives the logits of the same step unpadded."""
+    from minivllm.engine.scheduler import ScheduledBatch
+    from minivllm.engine.sequence import Sequence
+    from minivllm.executor.cuda_graphs import StepGraphs, graph_metadata
+
+    llm = LLM(model_dir, dtype="float32", max_model_len=64, block_size=8, attention_backend="triton",
+              max_num_seqs=6, max_num_batched_tokens=40)
+    runner = llm.llm_engine.model_runner
+    graphs = runner.graphs = StepGraphs(runner.model, runner.buffers, 6, 64, 40)  # never captured on CPU
+    device = runner.buffers.device
+
+    def replay(size: int, kind: str) -> torch.Tensor:
+        meta = graph_metadata(runner.buffers, graphs.num_seqs(kind, size), size, 64, kind)
+        return runner.model(device["input_ids"][:size], device["positions"][:size], meta)
+    graphs.replay = replay
+
+    rng = random.Random(4)
+    seqs = [Sequence(str(i), 0, [rng.randrange(3, 700) for _ in range(n)], SamplingParams())
+            for i, n in enumerate((5, 9, 13))]
+    for i, seq in enumerate(seqs):
+        seq.block_table = [2 * i, 2 * i + 1]
+
+    def step(new_tokens: list[int]) -> None:
+        batch = ScheduledBatch()
+        for seq, n in zip(seqs, new_tokens):
+            batch.add(seq, n, samples=seq.num_computed_tokens + n == len(seq.token_ids))
+        size = graphs.padded_size(len(batch), sum(new_tokens))
+        eager = runner.execute_model(runner.prepare_inputs(batch))
+        padded = runner.execute_model(runner.prepare_inputs(batch, size))
+        torch.testing.assert_close(padded, eager, atol=1e-5, rtol=1e-5)
+        for seq, n in zip(seqs, new_tokens):
+            seq.num_computed_tokens += n
+
+    step([5, 6])  # prefill: 11 tokens in a 16-token graph over 6 sequence rows
+    seqs[0].token_ids.append(17)
+    step([1, 3, 13])  # mixed: a decode, the rest of a chunked prompt, a whole prompt
+    for seq in seqs:
+        seq.token_ids.append(23)
+    step([1, 1, 1])  # decode: a batch of 3 in the graph of 4

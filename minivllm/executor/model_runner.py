@@ -22,7 +22,7 @@ from minivllm.attention.torch_backend import TorchAttentionBackend
 from minivllm.config import EngineConfig
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.sequence import Sequence
-from minivllm.executor.cuda_graphs import DecodeGraphs
+from minivllm.executor.cuda_graphs import GraphKind, StepGraphs
 from minivllm.executor.distributed import broadcast_from_rank0, min_across_ranks, tp_rank, tp_size
 from minivllm.executor.input_buffers import InputBuffers
 from minivllm.layers.attention import AttentionBackend
@@ -70,8 +70,12 @@ class StepInputs:
     max_seq_len: int
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
-    graph_size: int | None  # run as the decode CUDA graph of this batch size (None: eagerly)
+    graph_size: int | None  # run as the CUDA graph of this size (None: eagerly)
     cascade: bool  # every sequence starts with the same blocks: cascade attention
+
+    @property
+    def graph_kind(self) -> GraphKind:
+        return "prefill" if self.max_query_len > 1 else "cascade" if self.cascade else "decode"
 
 
 @dataclass
@@ -128,20 +132,27 @@ class ModelRunner:
         self._sampled_host = [torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
                               for _ in range(2)]
         self._token_buffer = 0
-        self.decode_graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         if self.device.type == "cuda":
             self._compile_and_capture()
 
     # --- set-up -----------------------------------------------------------------------------
 
     def _compile_and_capture(self) -> None:
-        """Compile what steps will launch and capture the decode CUDA graphs now, at start-up:
-        a kernel compiled inside a step stalls it for about a second."""
+        """Pick each linear layer's small-batch kernel, compile what steps will launch and
+        capture the CUDA graphs now, at start-up: a kernel compiled inside a step stalls it
+        for about a second."""
         config = self.config
+        if config.attention_backend == "triton":
+            from minivllm.kernels import skinny_matmul  # needs a GPU
+            for module in self.model.modules():
+                if hasattr(type(module), "use_skinny"):
+                    module.use_skinny = skinny_matmul.beats_cublas(module.weight)
         if config.attention_backend == "triton" and not config.enforce_eager:
             # Capturing runs every decode kernel, cascade included, at every batch size.
-            self.decode_graphs = DecodeGraphs(self.model, self.buffers, config.max_num_seqs, config.max_model_len)
-            self.decode_graphs.capture()
+            self.graphs = StepGraphs(self.model, self.buffers, config.max_num_seqs, config.max_model_len,
+                                     config.max_num_batched_tokens)
+            self.graphs.capture()
         elif config.attention_backend == "triton" and config.max_num_seqs >= CASCADE_MIN_SEQS:
             # Eager decode steps may take the cascade kernels: compile them here.
             attn = self.model.attention_layers()[0]
@@ -244,14 +255,15 @@ class ModelRunner:
 
     # --- one step ---------------------------------------------------------------------------
 
-    def prepare_inputs(self, batch: ScheduledBatch, padded_size: int | None = None) -> StepInputs:
+    def prepare_inputs(self, batch: ScheduledBatch, graph_size: int | None = None) -> StepInputs:
         """Write the step into the next host buffer set (host work only).
 
         A sequence's newest token may still be pending (sampled by the step in flight, not
         yet read back): pending_dst/pending_src say where _upload copies it from that
         step's output on the device.
-        padded_size: for a decode-only step run as a CUDA graph of that batch size, the
-        rows past the batch are filled with harmless padding (stored nowhere).
+        graph_size: for a step run as a CUDA graph of that size (StepGraphs.padded_size),
+        the rows past the batch are filled with harmless padding: tokens stored nowhere,
+        sequences empty.
         """
         bs, buf = self.block_size, self.buffers.next_host()
         num_seqs = len(batch)
@@ -298,13 +310,16 @@ class ModelRunner:
             shared_blocks = shared_prefix_blocks(block_tables[:num_seqs], seq_lens, bs)
             buf["num_shared_prefix_blocks"][0] = shared_blocks
         rows, tokens = num_seqs, num_tokens
-        if padded_size is not None:
-            rows = tokens = padded_size
-            pad = slice(num_seqs, padded_size)
-            buf["input_ids"][pad] = buf["positions"][pad] = buf["block_tables"][pad] = 0
-            buf["slot_mapping"][pad] = -1
-            buf["seq_lens"][pad] = 0  # the decode kernel skips empty rows
-            query_start_loc[num_seqs + 1:padded_size + 1] = np.arange(num_seqs + 1, padded_size + 1)
+        if graph_size is not None:
+            tokens = graph_size
+            rows = graph_size if num_tokens == num_seqs else self.graphs.max_num_seqs
+            pad_tokens, pad_rows = slice(num_tokens, tokens), slice(num_seqs, rows)
+            buf["input_ids"][pad_tokens] = buf["positions"][pad_tokens] = 0
+            buf["slot_mapping"][pad_tokens] = -1
+            buf["seq_lens"][pad_rows] = buf["block_tables"][pad_rows, :width] = 0  # kernels skip empty rows
+            # Empty sequences, one token each in a decode graph (the decode kernel's layout).
+            query_start_loc[num_seqs + 1:rows + 1] = (np.arange(num_tokens + 1, rows + 1)
+                                                      if num_tokens == num_seqs else num_tokens)
         used_rows = {"query_start_loc": rows + 1, "seq_lens": rows, "block_tables": rows, "slot_mapping": tokens,
                      "input_ids": tokens, "positions": tokens, "logits_indices": len(logits_indices),
                      "pending_dst": num_pending, "pending_src": num_pending,
@@ -319,7 +334,7 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=query_start_loc[:num_seqs + 1].tolist(),
             seq_lens_cpu=seq_lens.tolist(),
-            graph_size=padded_size,
+            graph_size=graph_size,
             cascade=shared_blocks > 0,
         )
 
@@ -361,7 +376,7 @@ class ModelRunner:
         on other ranks, or when no row samples. Every rank runs this for every step."""
         inputs = self._upload(step)
         if step.graph_size is not None:
-            hidden = self.decode_graphs.replay(step.graph_size, step.cascade)
+            hidden = self.graphs.replay(step.graph_size, step.graph_kind)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if not len(inputs.logits_indices):
@@ -382,9 +397,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> StepHandle:
         """Queue the step's forward pass and sampling on the device; don't wait for them."""
-        is_decode = all(n == 1 for n in batch.num_new_tokens)
-        padded_size = self.decode_graphs.padded_size(len(batch)) if is_decode and self.decode_graphs else None
-        step = self.prepare_inputs(batch, padded_size)
+        graph_size = self.graphs.padded_size(len(batch), sum(batch.num_new_tokens)) if self.graphs else None
+        step = self.prepare_inputs(batch, graph_size)
         if self.workers is not None:
             self.workers.call("execute_shipped", step)
         logits = self.execute_model(step)

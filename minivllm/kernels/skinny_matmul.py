@@ -10,17 +10,20 @@ against all (up to 16) rows of x at once on the tensor cores (tl.dot's smallest 
 """
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
+import triton.testing
 
 from minivllm.kernels import dot_precision
 
 # Largest batch this kernel serves (tl.dot's smallest M is 16).
 MAX_ROWS = 16
-# Largest batch the linear layers send here. Measured on the H200 over Qwen3-0.6B's four
-# projections per layer with weights from HBM (benchmarks/skinny_matmul.py): 26.6 us against
-# cuBLAS's 31.2 us at 1 row and 26.7 against 30.2 at 4, but 26.7 against 24.6 at 16.
-ROUTED_ROWS = 8
+# Largest batch the linear layers send here, for weights where beats_cublas(). On the H200
+# (benchmarks/skinny_matmul.py, weights from HBM) cuBLAS's heuristics pick a poor kernel for
+# Qwen3-0.6B's o projection below 8 rows (12.7 us, against this kernel's 6.1) and a good one
+# from 8 rows on (5.8 us); for the other shapes cuBLAS is as fast or faster at every size.
+ROUTED_ROWS = 4
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # one compilation for every batch size
@@ -103,3 +106,18 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         num_stages=cfg["num_stages"],
     )
     return out
+
+
+_beats_cublas: dict[tuple, bool] = {}
+
+
+def beats_cublas(weight: torch.Tensor) -> bool:
+    """Whether skinny_matmul multiplies one row by this weight at least 5 % faster than
+    cuBLAS on this GPU: timed once per weight shape and dtype, each in a CUDA graph."""
+    key = (tuple(weight.shape), weight.dtype, weight.device)
+    if key not in _beats_cublas:
+        x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        ours, cublas = (triton.testing.do_bench_cudagraph(lambda fn=fn: fn(x, weight), rep=5)
+                        for fn in (skinny_matmul, F.linear))
+        _beats_cublas[key] = ours < 0.95 * cublas
+    return _beats_cublas[key]

@@ -12,9 +12,9 @@ from torch import nn
 from minivllm.executor.distributed import all_reduce, tp_rank, tp_size
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_triton: bool) -> torch.Tensor:
-    """F.linear, or for a small decode batch with Triton the weight-streaming kernel."""
-    if use_triton:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_skinny: bool) -> torch.Tensor:
+    """F.linear, or for a small decode batch the weight-streaming kernel where it is faster."""
+    if use_skinny:
         from minivllm.kernels import skinny_matmul  # imported only where Triton is used
         if x.dim() == 2 and x.shape[0] <= skinny_matmul.ROUTED_ROWS:
             return skinny_matmul.skinny_matmul(x, weight, bias)
@@ -22,7 +22,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use
 
 
 class ColumnParallelLinear(nn.Module):
-    use_triton = False  # set by the model runner with the Triton attention backend
+    use_skinny = False  # set by the model runner where skinny_matmul beats cuBLAS on this weight
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
         super().__init__()
@@ -41,7 +41,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, offset, size).copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.use_triton)
+        return linear(x, self.weight, self.bias, self.use_skinny)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -54,7 +54,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    use_triton = False  # set by the model runner with the Triton attention backend
+    use_skinny = False  # set by the model runner where skinny_matmul beats cuBLAS on this weight
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -70,5 +70,5 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction, not on every rank.
-        y = all_reduce(linear(x, self.weight, None, self.use_triton))
+        y = all_reduce(linear(x, self.weight, None, self.use_skinny))
         return y + self.bias if self.bias is not None else y
