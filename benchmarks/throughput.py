@@ -3,8 +3,12 @@
     python benchmarks/throughput.py --model qwen3-0.6b                 # minivllm
     python benchmarks/throughput.py --model qwen3-0.6b --backend hf    # transformers baseline
     python benchmarks/throughput.py --model /path/tiny --scale 0.02    # CPU smoke run
+    python benchmarks/throughput.py --model qwen3-0.6b --step-breakdown  # where the time goes
 
 Start-up (construction: load, profile, graph capture) is timed apart from generate().
+--step-breakdown also sums the time between successive step launches by kind of step (prefill
+or mixed; decode by batch size). With the device the bottleneck, the engine launches a step as
+soon as the one before it finished, so these intervals are the steps' durations.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from collections import defaultdict
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -28,10 +34,42 @@ def run_minivllm(args: argparse.Namespace, spec: ModelSpec, requests: list[Reque
     llm, startup = make_llm(args, spec)
     warmup_llm(llm, spec.vocab_size)
     before = engine_stats(llm)
+    breakdown = record_step_kinds(llm) if args.step_breakdown else None
     metrics = timed_generate(llm, requests, W1_TEMPERATURE)
     preemptions = stats_delta(before, engine_stats(llm), ("num_preemptions",))
     shutdown_llm(llm)
+    if breakdown is not None:
+        metrics["step_breakdown"] = breakdown()
     return metrics | startup_metrics(llm, startup) | preemptions
+
+
+def step_kind(num_seqs: int, num_tokens: int) -> str:
+    if num_tokens > num_seqs:
+        return "prefill/mixed"
+    bound = next((b for b in (8, 32, 128) if num_seqs < b), None)
+    return f"decode <{bound}" if bound else "decode >=128"
+
+
+def record_step_kinds(llm: Any) -> Callable[[], dict[str, dict[str, float]]]:
+    """Wrap the runner's launch to time each interval between launches by the kind of the
+    step launched at its start; the returned function gives the totals so far."""
+    runner = llm.llm_engine.model_runner
+    launch = runner.launch
+    launches: list[tuple[float, str]] = []
+
+    def timed_launch(batch: Any) -> Any:
+        launches.append((time.perf_counter(), step_kind(len(batch), sum(batch.num_new_tokens))))
+        return launch(batch)
+    runner.launch = timed_launch
+
+    def totals() -> dict[str, dict[str, float]]:
+        sums: dict[str, dict[str, float]] = defaultdict(lambda: {"steps": 0, "seconds": 0.0})
+        for (start, kind), (end, _) in zip(launches, launches[1:]):
+            sums[kind]["steps"] += 1
+            sums[kind]["seconds"] += end - start
+        return {kind: {"steps": v["steps"], "seconds": round(v["seconds"], 3),
+                       "ms_per_step": round(1e3 * v["seconds"] / v["steps"], 3)} for kind, v in sorted(sums.items())}
+    return totals
 
 
 # ------------------------------------------------------------------ transformers baseline
@@ -173,6 +211,8 @@ def main() -> None:
     parser.add_argument("--hf-mode", default="auto", choices=["auto", "cb", "static"],
                         help="hf backend: continuous batching (cb, transformers 5.x) or static batches")
     parser.add_argument("--hf-batch-size", type=int, default=64, help="hf static mode: requests per batch")
+    parser.add_argument("--step-breakdown", action="store_true",
+                        help="minivllm: time per kind of step (prefill/mixed, decode by batch size)")
     args = parser.parse_args()
 
     spec = resolve_model(args.model, args.load_format)

@@ -7,7 +7,7 @@
 #
 # Steps (GPU_CHECK, comma-separated; default "all"):
 #   tests  python3 -m pytest -m gpu -v tests (one line per test: a step cut by STEP_TIMEOUT still shows progress)
-#   w1     W1 throughput, qwen3-0.6b                                   (~1 min incl. start-up)
+#   w1     W1 throughput, qwen3-0.6b, time per kind of step           (~1 min incl. start-up)
 #   w2     W2 latency, qwen3-0.6b                                      (< 1 min)
 #   w3     W3 shared prefix, caching on and off, qwen3-0.6b            (~1-2 min, two engines)
 #   hf     W1 on transformers continuous batching, qwen3-0.6b, with --num-prompts 128:
@@ -77,11 +77,11 @@ echo "steps: $GPU_CHECK" | tee -a "$OUT/env.txt"
 for step in ${GPU_CHECK//,/ }; do
     case "$step" in
         tests) run_step gpu_tests python3 -m pytest -m gpu -v --tb=short --durations=15 -p no:cacheprovider tests ;;
-        w1)    bench w1 throughput.py --model qwen3-0.6b ;;
+        w1)    bench w1 throughput.py --model qwen3-0.6b --step-breakdown ;;
         w2)    bench w2 latency.py --model qwen3-0.6b ;;
         w3)    bench w3 prefix_cache.py --model qwen3-0.6b ;;
         hf)    bench hf throughput.py --model qwen3-0.6b --backend hf --num-prompts 128 ;;
-        w1_8b) bench w1_8b throughput.py --model qwen3-8b ;;
+        w1_8b) bench w1_8b throughput.py --model qwen3-8b --step-breakdown ;;
         kernels)  # kernel microbenchmarks: decode/mixed attention, cascade, fused small ops
             run_step attention_kernels python3 benchmarks/attention_kernels.py
             run_step cascade_attention python3 benchmarks/cascade_attention.py
