@@ -54,13 +54,18 @@ def test_architectures_without_qk_norm_match_hf(arch: str, tiny_model_factory) -
     assert greedy_outputs(llm, prompts, 5) == [hf_greedy(model_dir, p, 5)[0] for p in prompts]
 
 
-def test_padded_steps_compute_what_unpadded_steps_do(model_dir: str) -> None:
-    """What the CUDA graphs run, here eagerly: a step padded to a graph's size (empty
+@pytest.mark.parametrize("few_seqs", [1, 4])  # prefill graphs of 6 sequence rows, or of 4
+def test_padded_steps_compute_what_unpadded_steps_do(model_dir: str, few_seqs: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the CUDA graphs run, here eagerly: a step padded to a graph's shape (empty
     sequences, tokens stored nowhere; in a prefill graph every sequence goes through the
     mixed kernel, decodes included) gives the logits of the same step unpadded."""
     from minivllm.engine.scheduler import ScheduledBatch
     from minivllm.engine.sequence import Sequence
+    from minivllm.executor import cuda_graphs
     from minivllm.executor.cuda_graphs import StepGraphs, graph_metadata
+
+    monkeypatch.setattr(cuda_graphs, "PREFILL_GRAPH_FEW_SEQS", few_seqs)
 
     llm = LLM(model_dir, dtype="float32", max_model_len=64, block_size=8, attention_backend="triton",
               max_num_seqs=6, max_num_batched_tokens=40)
@@ -68,10 +73,12 @@ def test_padded_steps_compute_what_unpadded_steps_do(model_dir: str) -> None:
     graphs = runner.graphs = StepGraphs(runner.model, runner.buffers, 6, 64, 40)  # never captured on CPU
     device = runner.buffers.device
 
-    def replay(size: int, kind: str) -> torch.Tensor:
-        meta = graph_metadata(runner.buffers, graphs.num_seqs(kind, size), size, 64, kind)
-        return runner.model(device["input_ids"][:size], device["positions"][:size], meta)
+    def replay(shape: tuple[int, int], kind: str) -> torch.Tensor:
+        tokens, rows = shape
+        meta = graph_metadata(runner.buffers, rows, tokens, 64, kind)
+        return runner.model(device["input_ids"][:tokens], device["positions"][:tokens], meta)
     graphs.replay = replay
+    shapes = []
 
     rng = random.Random(4)
     seqs = [Sequence(str(i), 0, [rng.randrange(3, 700) for _ in range(n)], SamplingParams())
@@ -83,16 +90,18 @@ def test_padded_steps_compute_what_unpadded_steps_do(model_dir: str) -> None:
         batch = ScheduledBatch()
         for seq, n in zip(seqs, new_tokens):
             batch.add(seq, n, samples=seq.num_computed_tokens + n == len(seq.token_ids))
-        size = graphs.padded_size(len(batch), sum(new_tokens))
+        shapes.append(graphs.padded_shape(len(batch), sum(new_tokens)))
         eager = runner.execute_model(runner.prepare_inputs(batch))
-        padded = runner.execute_model(runner.prepare_inputs(batch, size))
+        padded = runner.execute_model(runner.prepare_inputs(batch, shapes[-1]))
         torch.testing.assert_close(padded, eager, atol=1e-5, rtol=1e-5)
         for seq, n in zip(seqs, new_tokens):
             seq.num_computed_tokens += n
 
-    step([5, 6])  # prefill: 11 tokens in a 16-token graph over 6 sequence rows
+    step([5, 6])  # prefill: 11 tokens in a 16-token graph
     seqs[0].token_ids.append(17)
     step([1, 3, 13])  # mixed: a decode, the rest of a chunked prompt, a whole prompt
     for seq in seqs:
         seq.token_ids.append(23)
     step([1, 1, 1])  # decode: a batch of 3 in the graph of 4
+    rows = 6 if few_seqs == 1 else 4
+    assert shapes == [(16, rows), (32, rows), (4, 4)]

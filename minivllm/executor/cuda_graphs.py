@@ -7,8 +7,10 @@ fill those and replay the graph of the smallest bucket that fits it, padded. Thr
 - "decode": decode-only steps, by batch size;
 - "cascade": decode-only steps whose sequences share a prefix (its length is read from the
   buffers), by batch size;
-- "prefill": any other step of up to PREFILL_GRAPH_MAX_TOKENS tokens, by token count. Its
-  attention is the mixed kernel over max_num_seqs sequences, those past the batch empty.
+- "prefill": any other step of up to PREFILL_GRAPH_MAX_TOKENS tokens, by token count and
+  by sequence rows (PREFILL_GRAPH_FEW_SEQS, or max_num_seqs). Its attention is the mixed
+  kernel over all the rows, those past the batch empty: each empty row still launches a
+  program per KV head, which is why a step of a few sequences gets a graph of few rows.
   Without a graph, launching a prefill's ~300 kernels from Python takes longer than the
   GPU runs them (a 1,024-token Qwen3-0.6B prefill: 13.5 ms of wall time, 3.0 of kernels);
   larger steps keep the GPU busy eagerly.
@@ -27,7 +29,12 @@ from minivllm.models.llama import LlamaForCausalLM
 logger = logging.getLogger(__name__)
 
 GraphKind = Literal["decode", "cascade", "prefill"]
+GraphShape = tuple[int, int]  # (tokens, sequence rows) of a graph's inputs
 PREFILL_GRAPH_MAX_TOKENS = 2048
+# In a prefill graph over 256 sequence rows the mixed kernel took 1.62 ms for one 1,024-token
+# prompt, against 0.85 eagerly; the likely cause: the 255 empty rows' 2,040 programs (one per
+# KV head), each a binary search of dependent loads, scheduled ahead of the real ones.
+PREFILL_GRAPH_FEW_SEQS = 4
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -58,24 +65,24 @@ class StepGraphs:
                  max_num_batched_tokens: int) -> None:
         self.model = model
         self.buffers = buffers
-        self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.decode_sizes = graph_batch_sizes(max_num_seqs)
         self.prefill_sizes = prefill_graph_sizes(min(PREFILL_GRAPH_MAX_TOKENS, max_num_batched_tokens))
-        self.graphs: dict[tuple[int, GraphKind], torch.cuda.CUDAGraph] = {}  # (size, kind)
-        self.outputs: dict[tuple[int, GraphKind], torch.Tensor] = {}
+        self.prefill_rows = sorted({min(PREFILL_GRAPH_FEW_SEQS, max_num_seqs), max_num_seqs})
+        self.graphs: dict[tuple[GraphShape, GraphKind], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[GraphShape, GraphKind], torch.Tensor] = {}
         self.capture_seconds = 0.0  # how long capture() took (reported by the benchmarks)
 
-    def padded_size(self, num_seqs: int, num_tokens: int) -> int | None:
-        """The bucket a step runs in: for a decode-only step (num_tokens == num_seqs) the
-        smallest captured batch size >= num_seqs, else the smallest prefill size >=
-        num_tokens; None: too big, run eagerly."""
-        sizes, size = (self.decode_sizes, num_seqs) if num_tokens == num_seqs else (self.prefill_sizes, num_tokens)
-        return next((s for s in sizes if s >= size), None)
-
-    def num_seqs(self, kind: GraphKind, size: int) -> int:
-        """Sequence rows of a graph: a decode graph's batch size; every row in a prefill graph."""
-        return self.max_num_seqs if kind == "prefill" else size
+    def padded_shape(self, num_seqs: int, num_tokens: int) -> GraphShape | None:
+        """The graph a step runs in: for a decode-only step (num_tokens == num_seqs) the
+        smallest captured batch size >= num_seqs, else the smallest prefill token count and
+        row count that hold the step; None: too big, run eagerly."""
+        if num_tokens == num_seqs:
+            size = next((s for s in self.decode_sizes if s >= num_seqs), None)
+            return None if size is None else (size, size)
+        tokens = next((s for s in self.prefill_sizes if s >= num_tokens), None)
+        rows = next(r for r in self.prefill_rows if r >= num_seqs)
+        return None if tokens is None else (tokens, rows)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -85,25 +92,25 @@ class StepGraphs:
                             ("slot_mapping", -1), ("num_shared_prefix_blocks", 0), ("query_start_loc", 0)):
             self.buffers.device[name].fill_(value)
         pool = None
-        keys = ([(size, "prefill") for size in self.prefill_sizes]
-                + [(size, kind) for kind in ("decode", "cascade") for size in self.decode_sizes])
+        keys = ([((tokens, rows), "prefill") for tokens in self.prefill_sizes for rows in self.prefill_rows]
+                + [((size, size), kind) for kind in ("decode", "cascade") for size in self.decode_sizes])
         # Largest first, so that smaller graphs reuse its memory.
-        for size, kind in sorted(keys, key=lambda key: -key[0]):
-            meta = graph_metadata(self.buffers, self.num_seqs(kind, size), size, self.max_model_len, kind)
-            args = (self.buffers.device["input_ids"][:size], self.buffers.device["positions"][:size], meta)
+        for (tokens, rows), kind in sorted(keys, key=lambda key: (-key[0][0], -key[0][1])):
+            meta = graph_metadata(self.buffers, rows, tokens, self.max_model_len, kind)
+            args = (self.buffers.device["input_ids"][:tokens], self.buffers.device["positions"][:tokens], meta)
             self.model(*args)  # warm-up: compiles kernels, allocates workspaces outside capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size, kind] = self.model(*args)
+                self.outputs[(tokens, rows), kind] = self.model(*args)
             pool = graph.pool()
-            self.graphs[size, kind] = graph
+            self.graphs[(tokens, rows), kind] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         logger.info("Captured %d CUDA graphs (decode batches up to %d, plain and cascade attention; prefills up "
                     "to %d tokens) in %.1f s", len(self.graphs), self.decode_sizes[-1], self.prefill_sizes[-1],
                     self.capture_seconds)
 
-    def replay(self, size: int, kind: GraphKind) -> torch.Tensor:
-        """Run the graph on the inputs already in the buffers; hidden states [size, H]."""
-        self.graphs[size, kind].replay()
-        return self.outputs[size, kind]
+    def replay(self, shape: GraphShape, kind: GraphKind) -> torch.Tensor:
+        """Run the graph on the inputs already in the buffers; hidden states [tokens, H]."""
+        self.graphs[shape, kind].replay()
+        return self.outputs[shape, kind]

@@ -22,7 +22,7 @@ from minivllm.attention.torch_backend import TorchAttentionBackend
 from minivllm.config import EngineConfig
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.sequence import Sequence
-from minivllm.executor.cuda_graphs import GraphKind, StepGraphs
+from minivllm.executor.cuda_graphs import GraphKind, GraphShape, StepGraphs
 from minivllm.executor.distributed import broadcast_from_rank0, min_across_ranks, tp_rank, tp_size
 from minivllm.executor.input_buffers import InputBuffers
 from minivllm.layers.attention import AttentionBackend
@@ -70,7 +70,7 @@ class StepInputs:
     max_seq_len: int
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
-    graph_size: int | None  # run as the CUDA graph of this size (None: eagerly)
+    graph: GraphShape | None  # run as the CUDA graph of this (tokens, sequence rows); None: eagerly
     cascade: bool  # every sequence starts with the same blocks: cascade attention
 
     @property
@@ -255,13 +255,13 @@ class ModelRunner:
 
     # --- one step ---------------------------------------------------------------------------
 
-    def prepare_inputs(self, batch: ScheduledBatch, graph_size: int | None = None) -> StepInputs:
+    def prepare_inputs(self, batch: ScheduledBatch, graph: GraphShape | None = None) -> StepInputs:
         """Write the step into the next host buffer set (host work only).
 
         A sequence's newest token may still be pending (sampled by the step in flight, not
         yet read back): pending_dst/pending_src say where _upload copies it from that
         step's output on the device.
-        graph_size: for a step run as a CUDA graph of that size (StepGraphs.padded_size),
+        graph: for a step run as the CUDA graph of that shape (StepGraphs.padded_shape),
         the rows past the batch are filled with harmless padding: tokens stored nowhere,
         sequences empty.
         """
@@ -310,9 +310,8 @@ class ModelRunner:
             shared_blocks = shared_prefix_blocks(block_tables[:num_seqs], seq_lens, bs)
             buf["num_shared_prefix_blocks"][0] = shared_blocks
         rows, tokens = num_seqs, num_tokens
-        if graph_size is not None:
-            tokens = graph_size
-            rows = graph_size if num_tokens == num_seqs else self.graphs.max_num_seqs
+        if graph is not None:
+            tokens, rows = graph
             pad_tokens, pad_rows = slice(num_tokens, tokens), slice(num_seqs, rows)
             buf["input_ids"][pad_tokens] = buf["positions"][pad_tokens] = 0
             buf["slot_mapping"][pad_tokens] = -1
@@ -334,7 +333,7 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=query_start_loc[:num_seqs + 1].tolist(),
             seq_lens_cpu=seq_lens.tolist(),
-            graph_size=graph_size,
+            graph=graph,
             cascade=shared_blocks > 0,
         )
 
@@ -375,8 +374,8 @@ class ModelRunner:
         """Run a prepared step's forward pass: logits of its sampled rows on rank 0; None
         on other ranks, or when no row samples. Every rank runs this for every step."""
         inputs = self._upload(step)
-        if step.graph_size is not None:
-            hidden = self.graphs.replay(step.graph_size, step.graph_kind)
+        if step.graph is not None:
+            hidden = self.graphs.replay(step.graph, step.graph_kind)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if not len(inputs.logits_indices):
@@ -397,8 +396,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> StepHandle:
         """Queue the step's forward pass and sampling on the device; don't wait for them."""
-        graph_size = self.graphs.padded_size(len(batch), sum(batch.num_new_tokens)) if self.graphs else None
-        step = self.prepare_inputs(batch, graph_size)
+        graph = self.graphs.padded_shape(len(batch), sum(batch.num_new_tokens)) if self.graphs else None
+        step = self.prepare_inputs(batch, graph)
         if self.workers is not None:
             self.workers.call("execute_shipped", step)
         logits = self.execute_model(step)
