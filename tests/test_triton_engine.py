@@ -86,22 +86,26 @@ def test_padded_steps_compute_what_unpadded_steps_do(model_dir: str, few_seqs: i
     for i, seq in enumerate(seqs):
         seq.block_table = [2 * i, 2 * i + 1]
 
-    def step(new_tokens: list[int]) -> None:
+    def step(order: list[int], new_tokens: list[int]) -> None:
         batch = ScheduledBatch()
-        for seq, n in zip(seqs, new_tokens):
-            batch.add(seq, n, samples=seq.num_computed_tokens + n == len(seq.token_ids))
-        shapes.append(graphs.padded_shape(len(batch), sum(new_tokens)))
+        for i, n in zip(order, new_tokens):
+            batch.add(seqs[i], n, samples=seqs[i].num_computed_tokens + n == len(seqs[i].token_ids))
+        shapes.append(graphs.padded_shape(new_tokens))
         eager = runner.execute_model(runner.prepare_inputs(batch))
         padded = runner.execute_model(runner.prepare_inputs(batch, shapes[-1]))
         torch.testing.assert_close(padded, eager, atol=1e-5, rtol=1e-5)
-        for seq, n in zip(seqs, new_tokens):
-            seq.num_computed_tokens += n
+        for i, n in zip(order, new_tokens):
+            seqs[i].num_computed_tokens += n
 
-    step([5, 6])  # prefill: 11 tokens in a 16-token graph
+    step([0, 1], [5, 6])  # prefill: 11 tokens in a 16-token graph
     seqs[0].token_ids.append(17)
-    step([1, 3, 13])  # mixed: a decode, the rest of a chunked prompt, a whole prompt
+    # The rest of a chunked prompt, a whole prompt, and a one-token row (what a decode
+    # computes) that the mixed kernel takes in the graph.
+    step([1, 2, 0], [3, 13, 1])
     for seq in seqs:
         seq.token_ids.append(23)
-    step([1, 1, 1])  # decode: a batch of 3 in the graph of 4
+    step([0, 1, 2], [1, 1, 1])  # decode: a batch of 3 in the graph of 4
     rows = 6 if few_seqs == 1 else 4
     assert shapes == [(16, rows), (32, rows), (4, 4)]
+    # Decodes at the front of a mixed step run eagerly, through the split-KV decode kernel.
+    assert graphs.padded_shape([1, 5]) is None and graphs.padded_shape([7, 2050]) is None

@@ -7,10 +7,11 @@ fill those and replay the graph of the smallest bucket that fits it, padded. Thr
 - "decode": decode-only steps, by batch size;
 - "cascade": decode-only steps whose sequences share a prefix (its length is read from the
   buffers), by batch size;
-- "prefill": any other step of up to PREFILL_GRAPH_MAX_TOKENS tokens, by token count and
-  by sequence rows (PREFILL_GRAPH_FEW_SEQS, or max_num_seqs). Its attention is the mixed
-  kernel over all the rows, those past the batch empty: each empty row still launches a
-  program per KV head, which is why a step of a few sequences gets a graph of few rows.
+- "prefill": steps of prompt chunks (no decodes at the front, see padded_shape) of up to
+  PREFILL_GRAPH_MAX_TOKENS tokens, by token count and by sequence rows
+  (PREFILL_GRAPH_FEW_SEQS, or max_num_seqs). Its attention is the mixed kernel over all
+  the rows, those past the batch empty: each empty row still launches a program per KV
+  head, which is why a step of a few sequences gets a graph of few rows.
   Without a graph, launching a prefill's ~300 kernels from Python takes longer than the
   GPU runs them (a 1,024-token Qwen3-0.6B prefill: 13.5 ms of wall time, 3.0 of kernels);
   larger steps keep the GPU busy eagerly.
@@ -73,13 +74,19 @@ class StepGraphs:
         self.outputs: dict[tuple[GraphShape, GraphKind], torch.Tensor] = {}
         self.capture_seconds = 0.0  # how long capture() took (reported by the benchmarks)
 
-    def padded_shape(self, num_seqs: int, num_tokens: int) -> GraphShape | None:
-        """The graph a step runs in: for a decode-only step (num_tokens == num_seqs) the
-        smallest captured batch size >= num_seqs, else the smallest prefill token count and
-        row count that hold the step; None: too big, run eagerly."""
+    def padded_shape(self, num_new_tokens: list[int]) -> GraphShape | None:
+        """The graph a step (its sequences' new-token counts) runs in: for a decode-only step
+        the smallest captured batch size that holds it; for a step of prompt chunks the
+        smallest prefill token and row counts. None, to run eagerly: too big, or decodes at
+        the front of a mixed step. Those take the split-KV decode kernel eagerly; in a prefill
+        graph the mixed kernel would give each one program per KV head, streaming a long
+        context alone."""
+        num_seqs, num_tokens = len(num_new_tokens), sum(num_new_tokens)
         if num_tokens == num_seqs:
             size = next((s for s in self.decode_sizes if s >= num_seqs), None)
             return None if size is None else (size, size)
+        if num_new_tokens[0] == 1:
+            return None
         tokens = next((s for s in self.prefill_sizes if s >= num_tokens), None)
         rows = next(r for r in self.prefill_rows if r >= num_seqs)
         return None if tokens is None else (tokens, rows)

@@ -396,7 +396,7 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> StepHandle:
         """Queue the step's forward pass and sampling on the device; don't wait for them."""
-        graph = self.graphs.padded_shape(len(batch), sum(batch.num_new_tokens)) if self.graphs else None
+        graph = self.graphs.padded_shape(batch.num_new_tokens) if self.graphs else None
         step = self.prepare_inputs(batch, graph)
         if self.workers is not None:
             self.workers.call("execute_shipped", step)
