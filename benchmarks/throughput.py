@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 from collections import defaultdict
+from itertools import pairwise
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -64,7 +65,7 @@ def record_step_kinds(llm: Any) -> Callable[[], dict[str, dict[str, float]]]:
 
     def totals() -> dict[str, dict[str, float]]:
         sums: dict[str, dict[str, float]] = defaultdict(lambda: {"steps": 0, "seconds": 0.0})
-        for (start, kind), (end, _) in zip(launches, launches[1:]):
+        for (start, kind), (end, _) in pairwise(launches):
             sums[kind]["steps"] += 1
             sums[kind]["seconds"] += end - start
         return {kind: {"steps": v["steps"], "seconds": round(v["seconds"], 3),

@@ -192,7 +192,7 @@ class AttentionInputs:
             identical = (got == want).double().mean().item()
             msg = (f"max |diff| {(got.float() - want.float()).abs().max().item():.3g}, "
                    f"{identical:.4%} bit-identical")
-            torch.testing.assert_close(got, want, atol=16 * eps, rtol=4 * eps, msg=lambda _: msg)
+            torch.testing.assert_close(got, want, atol=16 * eps, rtol=4 * eps, msg=lambda _, msg=msg: msg)
             if self.q.dtype != torch.float32:
                 assert identical >= 0.95, msg
 

@@ -76,9 +76,15 @@ def test_gpu_projection_shapes(dtype, n, k, num_rows):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_beats_cublas_times_each_shape_once():
-    weights = [torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+def test_gpu_beats_cublas_times_each_shape_once(monkeypatch):
+    import triton.testing
+
+    timed = []
+    real_bench = triton.testing.do_bench_cudagraph
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **kw: timed.append(1) or real_bench(fn, **kw))
+    weights = [torch.randn(1000, 2000, device="cuda", dtype=torch.bfloat16) for _ in range(2)]  # a fresh shape
     choice = skinny_module.beats_cublas(weights[0])
-    assert isinstance(choice, bool)
-    skinny_module._beats_cublas[(tuple(weights[0].shape), weights[0].dtype, weights[0].device)] = not choice
-    assert skinny_module.beats_cublas(weights[1]) is not choice  # cached: the same shape is not timed again
+    assert isinstance(choice, bool) and len(timed) == 2  # ours and cuBLAS
+    assert skinny_module.beats_cublas(weights[1]) is choice and len(timed) == 2  # same shape: not timed again
+    skinny_module.beats_cublas(weights[0], torch.zeros(1000, device="cuda", dtype=torch.bfloat16))
+    assert len(timed) == 4  # with a bias: another kernel variant, timed (and compiled) apart

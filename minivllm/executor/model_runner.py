@@ -147,7 +147,7 @@ class ModelRunner:
             from minivllm.kernels import skinny_matmul  # needs a GPU
             for module in self.model.modules():
                 if hasattr(type(module), "use_skinny"):
-                    module.use_skinny = skinny_matmul.beats_cublas(module.weight)
+                    module.use_skinny = skinny_matmul.beats_cublas(module.weight, module.bias)
         if config.attention_backend == "triton" and not config.enforce_eager:
             # Capturing runs every decode kernel, cascade included, at every batch size.
             self.graphs = StepGraphs(self.model, self.buffers, config.max_num_seqs, config.max_model_len,
