@@ -149,7 +149,8 @@ class ModelRunner:
                 if hasattr(type(module), "use_skinny"):
                     module.use_skinny = skinny_matmul.beats_cublas(module.weight, module.bias)
         if config.attention_backend == "triton" and not config.enforce_eager:
-            # Capturing runs every decode kernel, cascade included, at every batch size.
+            # Capturing runs every kernel a graph replays: decode and cascade at every batch size,
+            # the mixed kernel in the prefill graphs.
             self.graphs = StepGraphs(self.model, self.buffers, config.max_num_seqs, config.max_model_len,
                                      config.max_num_batched_tokens)
             self.graphs.capture()
