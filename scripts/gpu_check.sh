@@ -17,6 +17,8 @@
 #   w1_8b  W1 throughput, qwen3-8b                                     (~1-2 min)
 #   kernels  attention_kernels.py, cascade_attention.py, fused_ops.py, skinny_matmul.py, sampler.py (~3 min)
 #   profile  step_profile.py at batch 256 and 1, W3's decode step, W2's prefill (host vs GPU time, top kernels)
+#   tp     the tensor-parallel GPU tests; needs 2 GPUs (the nvidia-h200-x2 kind; skipped on one),
+#          so not part of "all" (~3 min)
 #
 # Environment: OUT (logs; default /tmp/gpu_check), BENCH_ARGS (extra arguments for every
 # benchmark, e.g. "--enforce-eager"), STEP_TIMEOUT (seconds per step, default 480),
@@ -28,6 +30,8 @@
 
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
+# NVLink multicast stays off (the device tool's KINDS.md: it can take shared GPUs out of service).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 OUT="${OUT:-/tmp/gpu_check}"
 GPU_CHECK="${GPU_CHECK:-all}"
@@ -77,6 +81,7 @@ echo "steps: $GPU_CHECK" | tee -a "$OUT/env.txt"
 for step in ${GPU_CHECK//,/ }; do
     case "$step" in
         tests) run_step gpu_tests python3 -m pytest -m gpu -v --tb=short --durations=15 -p no:cacheprovider tests ;;
+        tp)    run_step tp_tests python3 -m pytest -m gpu -v --tb=short -p no:cacheprovider tests/test_tensor_parallel.py ;;
         w1)    bench w1 throughput.py --model qwen3-0.6b --step-breakdown ;;
         w2)    bench w2 latency.py --model qwen3-0.6b ;;
         w3)    bench w3 prefix_cache.py --model qwen3-0.6b ;;
