@@ -26,6 +26,7 @@ from minivllm.executor.cuda_graphs import GraphKind, GraphShape, StepGraphs
 from minivllm.executor.distributed import broadcast_from_rank0, min_across_ranks, tp_rank, tp_size
 from minivllm.executor.input_buffers import InputBuffers
 from minivllm.layers.attention import AttentionBackend
+from minivllm.layers.linear import RowParallelLinear
 from minivllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from minivllm.loader import init_dummy_weights, load_weights
 from minivllm.models.registry import build_model
@@ -147,18 +148,21 @@ class ModelRunner:
             from minivllm.kernels import skinny_matmul  # needs a GPU
             for module in self.model.modules():
                 if hasattr(type(module), "use_skinny"):
-                    module.use_skinny = skinny_matmul.beats_cublas(module.weight, module.bias)
-        if config.attention_backend == "triton" and not config.enforce_eager:
-            # Capturing runs every kernel a graph replays: decode and cascade at every batch size,
-            # the mixed kernel in the prefill graphs.
-            self.graphs = StepGraphs(self.model, self.buffers, config.max_num_seqs, config.max_model_len,
-                                     config.max_num_batched_tokens)
-            self.graphs.capture()
-        elif config.attention_backend == "triton" and config.max_num_seqs >= CASCADE_MIN_SEQS:
-            # Eager decode steps may take the cascade kernels: compile them here.
-            attn = self.model.attention_layers()[0]
-            self.backend.warm_up_shared_prefix((attn.num_heads, attn.head_dim), self.dtype, attn.k_cache,
-                                               attn.v_cache, config.max_num_seqs)
+                    # The bias the layer's matmul adds: a row-parallel layer adds its own after
+                    # the all-reduce instead.
+                    bias = None if isinstance(module, RowParallelLinear) else module.bias
+                    module.use_skinny = skinny_matmul.beats_cublas(module.weight, bias)
+            if not config.enforce_eager:
+                # Capturing runs every kernel a graph replays: decode and cascade at every batch
+                # size, the mixed kernel in the prefill graphs.
+                self.graphs = StepGraphs(self.model, self.buffers, config.max_num_seqs, config.max_model_len,
+                                         config.max_num_batched_tokens)
+                self.graphs.capture()
+            elif config.max_num_seqs >= CASCADE_MIN_SEQS:
+                # Eager decode steps may take the cascade kernels: compile them here.
+                attn = self.model.attention_layers()[0]
+                self.backend.warm_up_shared_prefix((attn.num_heads, attn.head_dim), self.dtype, attn.k_cache,
+                                                   attn.v_cache, config.max_num_seqs)
         if tp_rank() == 0:  # rank 0 samples
             from minivllm.kernels import sampling  # needs a GPU
             sampling.warm_up(self.vocab_size, self.dtype, self.device)
