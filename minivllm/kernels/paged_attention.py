@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels import dot_precision
+from minivllm.kernels import dot_precision, split_count
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2 (exp2 is the native instruction)
 
@@ -495,17 +495,8 @@ def decode_num_splits(
     integers (the batch shape, max_seq_len, the GPU), never on device data, so a captured
     graph keeps a valid launch. Enough programs to fill the GPU, but no split shorter than
     DECODE_MIN_TOKENS_PER_SPLIT tokens of max_seq_len."""
-    return _split_count(DECODE_PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads, max_seq_len,
+    return split_count(DECODE_PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads, max_seq_len,
                         DECODE_MIN_TOKENS_PER_SPLIT, max_splits)
-
-
-def _split_count(target_programs: int, programs_per_split: int, context_len: int,
-                 min_tokens_per_split: int, max_splits: int) -> int:
-    """Splits of a context that bring the launch to target_programs programs (each split
-    adds programs_per_split), but none shorter than min_tokens_per_split; 1..max_splits."""
-    want = triton.cdiv(target_programs, max(1, programs_per_split))
-    by_len = triton.cdiv(max(1, context_len), min_tokens_per_split)
-    return max(1, min(want, by_len, max_splits))
 
 
 def paged_attention_decode(
@@ -657,7 +648,7 @@ def shared_prefix_num_splits(
 ) -> int:
     """Programs along the shared prefix per (row tile, KV head): about one wave in all,
     no split shorter than PREFIX_MIN_TOKENS_PER_SPLIT tokens."""
-    return _split_count(PREFIX_PROGRAMS_PER_SM * num_sms, num_row_tiles * num_kv_heads, prefix_len,
+    return split_count(PREFIX_PROGRAMS_PER_SM * num_sms, num_row_tiles * num_kv_heads, prefix_len,
                         PREFIX_MIN_TOKENS_PER_SPLIT, max_splits)
 
 

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels import sm_count
+from minivllm.kernels import sm_count, split_count
 
 _BLOCK = 2048  # tokens per loop iteration: 16 per thread with 4 warps, several loads in flight
 _NUM_WARPS = 4
@@ -129,9 +129,9 @@ def _launch_config(num_rows: int, vocab_size: int, device: torch.device) -> tupl
     until the launch has _PROGRAMS_PER_SM programs per SM, but no split under
     _MIN_TOKENS_PER_SPLIT tokens. Depends on host integers only."""
     block = min(_BLOCK, max(16, triton.next_power_of_2(vocab_size)))
-    want = triton.cdiv(_PROGRAMS_PER_SM * sm_count(device), num_rows)
-    by_len = triton.cdiv(vocab_size, max(block, _MIN_TOKENS_PER_SPLIT))
-    return block, max(1, min(want, by_len)), _NUM_WARPS
+    num_splits = split_count(_PROGRAMS_PER_SM * sm_count(device), num_rows, vocab_size,
+                             max(block, _MIN_TOKENS_PER_SPLIT))
+    return block, num_splits, _NUM_WARPS
 
 
 def gumbel_max_sample(logits: torch.Tensor, seeds: torch.Tensor,
