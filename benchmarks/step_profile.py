@@ -8,10 +8,14 @@ from torch.profiler.
     python benchmarks/step_profile.py --model qwen3-0.6b --batch 256 --context 1000
     python benchmarks/step_profile.py --batch 256 --shared-prefix 2048 --context 64   # W3's decode
     python benchmarks/step_profile.py --prefill --context 1024     # W2's time to first token
+    python benchmarks/step_profile.py --w1-start                   # W1's prompt steps
 
 --prefill times whole generate() calls of one fresh --context-token prompt and one output
 token instead: wall time per call against the GPU kernel time per call (the gap is host
 work: the eager forward's launches, scheduling, sampling, output).
+--w1-start times W1's first steps instead: its 256 requests added at once, every step until
+the last prompt token is computed (prompt chunks of max_num_batched_tokens, with the decodes
+of the prompts done so far).
 """
 
 import argparse
@@ -28,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import add_common_args, make_llm, random_prompt, resolve_model, synchronize  # noqa: E402
+from benchmarks.common import (W1_TEMPERATURE, add_common_args, make_llm, random_prompt,  # noqa: E402
+                               resolve_model, synchronize, w1_requests, warmup_llm)
 
 
 def main() -> None:
@@ -42,11 +47,14 @@ def main() -> None:
                         help="tokens every prompt starts with (before its own --context tokens)")
     parser.add_argument("--cprofile", action="store_true", help="also print the host's top functions")
     parser.add_argument("--prefill", action="store_true", help="profile single-prompt prefills (TTFT)")
+    parser.add_argument("--w1-start", action="store_true", help="profile W1's steps until every prompt is computed")
     args = parser.parse_args()
     spec = resolve_model(args.model)
     llm, _ = make_llm(args, spec, max_num_seqs=max(args.batch, 1))
     if args.prefill:
         profile_prefill(llm, args, spec.vocab_size)
+    elif args.w1_start:
+        profile_w1_start(llm, args, spec.vocab_size)
     else:
         profile_decode(llm, args, spec.vocab_size)
 
@@ -88,6 +96,41 @@ def profile_prefill(llm: Any, args: argparse.Namespace, vocab_size: int) -> None
     gpu, table = gpu_profile(run, args.steps)
     print(f"== prefill profile: one {args.context}-token prompt, 1 output token")
     print(f"wall per generate() {wall * 1e3:.3f} ms | GPU kernels per generate() {gpu}")
+    print(table)
+    host_profile(run, args)
+
+
+def profile_w1_start(llm: Any, args: argparse.Namespace, vocab_size: int) -> None:
+    from minivllm import SamplingParams
+
+    engine = llm.llm_engine
+    warmup_llm(llm, vocab_size)
+    steps = runs = 0
+
+    def run() -> None:
+        nonlocal steps, runs
+        runs += 1
+        for i, request in enumerate(w1_requests(scale=args.scale, vocab_size=vocab_size)):
+            params = SamplingParams(temperature=W1_TEMPERATURE, ignore_eos=True, max_tokens=request.max_tokens)
+            # A first token of each run's own: nothing comes from the prefix cache.
+            prompt = [(request.prompt_token_ids[0] + runs) % vocab_size] + request.prompt_token_ids[1:]
+            engine.add_request(f"w1-{runs}-{i}", {"prompt_token_ids": prompt}, params)
+        steps = 0
+        while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                              for s in engine.scheduler.running):
+            engine.step()
+            steps += 1
+        synchronize()
+        for request_id in list(engine.requests):
+            engine.abort_request(request_id)
+
+    run()  # warm-up
+    start = time.perf_counter()
+    run()
+    wall = time.perf_counter() - start
+    gpu, table = gpu_profile(run, 1)
+    print(f"== W1's first {steps} steps (until every prompt is computed)")
+    print(f"wall {wall * 1e3:.1f} ms ({wall * 1e3 / steps:.2f} ms per step) | GPU kernels {gpu}")
     print(table)
     host_profile(run, args)
 

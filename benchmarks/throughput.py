@@ -7,8 +7,9 @@
 
 Start-up (construction: load, profile, graph capture) is timed apart from generate().
 --step-breakdown also sums the time between successive step launches by kind of step (prefill
-or mixed; decode by batch size). With the device the bottleneck, the engine launches a step as
-soon as the one before it finished, so these intervals are the steps' durations.
+or mixed; decode by batch size), and each step's device time. With the device the bottleneck,
+the engine launches a step as soon as the one before it finished, so these intervals are the
+steps' durations; an interval longer than its step's device time is the device waiting.
 """
 
 from __future__ import annotations
@@ -53,23 +54,40 @@ def step_kind(num_seqs: int, num_tokens: int) -> str:
 
 def record_step_kinds(llm: Any) -> Callable[[], dict[str, dict[str, float]]]:
     """Wrap the runner's launch to time each interval between launches by the kind of the
-    step launched at its start; the returned function gives the totals so far."""
+    step launched at its start, and (on CUDA) the device time of each step's queued work,
+    between events recorded around its launch: where an interval exceeds its step's
+    device time, the device waited for the host (an eager step's device time includes
+    its waits for the host's launches). The returned function gives the totals."""
     runner = llm.llm_engine.model_runner
     launch = runner.launch
-    launches: list[tuple[float, str]] = []
+    launches: list[tuple[float, str, Any, Any]] = []
 
     def timed_launch(batch: Any) -> Any:
-        launches.append((time.perf_counter(), step_kind(len(batch), sum(batch.num_new_tokens))))
-        return launch(batch)
+        start = time.perf_counter()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if torch.cuda.is_available() else None
+        if events:
+            events[0].record()
+        handle = launch(batch)
+        if events:
+            events[1].record()
+        launches.append((start, step_kind(len(batch), sum(batch.num_new_tokens)),
+                         *(events or (None, None))))
+        return handle
     runner.launch = timed_launch
 
     def totals() -> dict[str, dict[str, float]]:
-        sums: dict[str, dict[str, float]] = defaultdict(lambda: {"steps": 0, "seconds": 0.0})
-        for (start, kind), (end, _) in pairwise(launches):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        sums: dict[str, dict[str, float]] = defaultdict(lambda: {"steps": 0, "seconds": 0.0, "gpu_seconds": 0.0})
+        for (start, kind, begin, end), (next_start, *_) in pairwise(launches):
             sums[kind]["steps"] += 1
-            sums[kind]["seconds"] += end - start
+            sums[kind]["seconds"] += next_start - start
+            if begin is not None:
+                sums[kind]["gpu_seconds"] += begin.elapsed_time(end) / 1e3
         return {kind: {"steps": v["steps"], "seconds": round(v["seconds"], 3),
-                       "ms_per_step": round(1e3 * v["seconds"] / v["steps"], 3)} for kind, v in sorted(sums.items())}
+                       "ms_per_step": round(1e3 * v["seconds"] / v["steps"], 3),
+                       "gpu_ms_per_step": round(1e3 * v["gpu_seconds"] / v["steps"], 3)}
+                for kind, v in sorted(sums.items())}
     return totals
 
 

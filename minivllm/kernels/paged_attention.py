@@ -243,22 +243,25 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     # Three uses of one kernel (they differ only in which query rows and keys a program has):
-    # * DECODE_PLAIN: rows = the GQA group of sequence program_id(0) (padded to BLOCK_M),
+    # * DECODE_PLAIN: rows = the GQA group of sequence program_id(2) (padded to BLOCK_M),
     #   keys = its whole context;
     # * DECODE_OWN_KEYS (cascade): the same rows, keys P * BLOCK_SIZE .. seq_len, where the
     #   first P = prefix_blocks_ptr[0] blocks of every block table are the shared prefix;
-    # * DECODE_SHARED_PREFIX (cascade): rows = tile program_id(0) of all B * GQA (sequence,
+    # * DECODE_SHARED_PREFIX (cascade): rows = tile program_id(2) of all B * GQA (sequence,
     #   head) pairs of this KV head, keys = the shared prefix (block table row 0's first P
     #   blocks), read once for the whole tile instead of once per sequence; a full tile of
     #   rows keeps the tensor cores busy.
     # P is read on the device so that a CUDA graph serves any shared prefix.
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    # Programs start in launch order, program_id(0) fastest: a row tile's heads and splits
+    # are neighbours, and row tiles start in batch order (the runner puts the longest
+    # contexts first, so that no long one starts last and sets the launch's tail).
+    kv_head = tl.program_id(0)
+    split = tl.program_id(1)
     num_prefix_blocks = 0
     if MODE != 0:  # a cascade launch
         num_prefix_blocks = tl.load(prefix_blocks_ptr)
     if MODE == 1:  # DECODE_SHARED_PREFIX
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_valid = rows < num_seqs * GQA
         seq = rows // GQA  # [BLOCK_M]: a sequence per row
         head = kv_head * GQA + rows % GQA
@@ -267,7 +270,7 @@ def _decode_split_kernel(
     else:
         rows = tl.arange(0, BLOCK_M)
         row_valid = rows < GQA
-        seq = tl.program_id(0)  # one sequence for the whole tile
+        seq = tl.program_id(2)  # one sequence for the whole tile
         head = kv_head * GQA + rows
         # Keys are counted from the first unskipped block: key t is token
         # num_prefix_blocks * BLOCK_SIZE + t, at entry num_prefix_blocks + t // BLOCK_SIZE.
@@ -463,10 +466,12 @@ def paged_attention_mixed(
     return out
 
 
-# Split-KV heuristic constants (H200, benchmarks/attention_kernels.py --sweep). With the
-# default tiles (39 KB shared memory, ~120 registers) 4 programs fit on an SM at once. At
-# batch 256 x ctx ~1000 one split reads K/V at 4.12 TB/s; two splits cost ~3% more.
-DECODE_PROGRAMS_PER_SM = 4  # aim for this many (seq, kv head, split) programs per SM
+# Split-KV heuristic constants (H200, benchmarks/attention_kernels.py --sweep and
+# benchmarks/decode_w1.py). With the default tiles (39 KB shared memory, ~120 registers)
+# 4 programs fit on an SM at once, but a split costs more than a short tail: on W1's batches
+# (~1,400-token contexts, longest first) 64 sequences x 8 KV heads took 100 us in 2 splits
+# and 89 us in 1; 40 x 8, 70 us either way; 24 x 8, 44 us in 3 splits and 60 in 1.
+DECODE_PROGRAMS_PER_SM = 3  # aim for this many (seq, kv head, split) programs per SM
 DECODE_MIN_TOKENS_PER_SPLIT = 128  # a split shorter than this costs more than it saves
 DECODE_MAX_SPLITS = 32
 
@@ -581,7 +586,7 @@ def _launch_decode_split(
     else:  # one sequence's GQA group per program, padded to the smallest tl.dot M
         block_m = max(16, triton.next_power_of_2(gqa))
         num_row_tiles = num_seqs
-    _decode_split_kernel[(num_row_tiles, num_kv_heads, num_splits)](
+    _decode_split_kernel[(num_kv_heads, num_splits, num_row_tiles)](
         q, k_cache, v_cache, out, part_out, part_lse,
         seq_lens, block_tables,
         seq_lens if prefix_blocks is None else prefix_blocks,  # (a placeholder pointer when unused)

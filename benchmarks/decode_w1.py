@@ -1,0 +1,150 @@
+"""Decode attention on W1's own batches (GPU only): the bandwidth the split-KV kernel reaches
+step by step, and what W1's decode attention costs in all.
+
+For every --every'th decode step t of W1 (BENCH.md's 256 requests), the batch is the requests
+still decoding (max_tokens > t) in admission order, each with its prompt + t + 1 cached tokens,
+padded to the CUDA-graph batch size the engine would replay (padded rows empty), with the
+split count the engine's graph uses (max_seq_len = max_model_len = 4096). Qwen3-0.6B's
+attention shape (16 query heads, 8 KV heads, head_dim 128, bf16, block size 16), pages
+shuffled. Each timing runs enough layers' caches one after another that K/V come from HBM,
+not L2, as in a step of 28 layers.
+
+Variants: the engine's launch (the batch longest first, as the runner orders decodes: the GPU
+starts programs roughly in launch order, so no long context starts last and sets the launch's
+tail); the batch in admission order; and (--sweep) half and twice the engine's split count.
+
+    python benchmarks/decode_w1.py [--every 32] [--sweep]
+"""
+
+import argparse
+import random
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, uninstalled
+from benchmarks.common import DEFAULT_MAX_MODEL_LEN, w1_requests  # noqa: E402
+from minivllm.executor.cuda_graphs import graph_batch_sizes  # noqa: E402
+from minivllm.kernels import sm_count, split_count  # noqa: E402
+from minivllm.kernels import paged_attention as pa  # noqa: E402
+
+HQ, HKV, D, BLOCK = 16, 8, 128, 16
+DTYPE = torch.bfloat16
+MIN_BYTES_PER_TIMING = 256e6  # several times the 50 MB L2
+MAX_NUM_SEQS = 256
+
+
+def w1_decode_batches(every: int) -> list[tuple[int, list[int]]]:
+    """(step, context lengths in admission order) for every `every`th decode step of W1."""
+    requests = w1_requests()
+    longest = max(r.max_tokens for r in requests)
+    return [(t, [len(r.prompt_token_ids) + t + 1 for r in requests if r.max_tokens > t])
+            for t in range(0, longest, every)]
+
+
+def build_layers(seq_lens: list[int], gen: random.Random) -> list[tuple[torch.Tensor, ...]]:
+    """Enough layers' (k_cache, v_cache, block_tables) for the batch to total MIN_BYTES_PER_TIMING."""
+    need = [triton.cdiv(s, BLOCK) for s in seq_lens]
+    bytes_per_layer = sum(seq_lens) * HKV * D * 2 * 2
+    layers = []
+    for _ in range(max(1, int(MIN_BYTES_PER_TIMING // bytes_per_layer) + 1)):
+        perm = list(range(sum(need) + 1))
+        gen.shuffle(perm)
+        table = torch.zeros(len(seq_lens), max(need), dtype=torch.int32)
+        i = 0
+        for b, n in enumerate(need):
+            table[b, :n] = torch.tensor(perm[i:i + n])
+            i += n
+        k_cache = torch.randn(len(perm), BLOCK, HKV, D, dtype=DTYPE, device="cuda")
+        layers.append((k_cache, torch.randn_like(k_cache), table.cuda()))
+    return layers
+
+
+def time_variant(seq_lens: list[int], padded: int, num_splits: int, gen: random.Random, kernels=pa) -> float:
+    """Seconds per layer of the decode launch (split kernel + reduce) over seq_lens padded
+    with empty rows to `padded`, timed inside a CUDA graph."""
+    lens = seq_lens + [0] * (padded - len(seq_lens))
+    layers = build_layers([max(1, s) for s in lens], gen)
+    lens_dev = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(padded, HQ, D, dtype=DTYPE, device="cuda")
+    out = torch.empty_like(q)
+    part_out = torch.empty(padded * HQ * num_splits * D, dtype=torch.float32, device="cuda")
+    part_lse = torch.empty(padded * HQ * num_splits, dtype=torch.float32, device="cuda")
+
+    def step() -> None:
+        for k_cache, v_cache, table in layers:
+            kernels.paged_attention_decode(q, k_cache, v_cache, lens_dev, table, D ** -0.5, num_splits,
+                                      out=out, part_out=part_out, part_lse=part_lse)
+    step()
+    seconds = triton.testing.do_bench_cudagraph(step, rep=60, return_mode="median") * 1e-3 / len(layers)
+    del layers
+    return seconds
+
+
+# A variant: (context lengths in admission order, padded batch, engine split count) ->
+# (lengths as launched, split count, kernels module).
+Variant = Callable[[list[int], int, int], tuple[list[int], int, Any]]
+
+
+def variants(sweep: bool) -> dict[str, Variant]:
+    def longest_first(lens: list[int]) -> list[int]:
+        return sorted(lens, reverse=True)
+    chosen: dict[str, Variant] = {
+        "admission order": lambda lens, padded, splits: (lens, splits, pa),
+        "engine (longest first)": lambda lens, padded, splits: (longest_first(lens), splits, pa),
+    }
+    if sweep:
+        chosen["longest first, splits / 2"] = (
+            lambda lens, padded, splits: (longest_first(lens), max(1, splits // 2), pa))
+        chosen["longest first, splits x 2"] = (
+            lambda lens, padded, splits: (longest_first(lens), min(pa.DECODE_MAX_SPLITS, splits * 2), pa))
+    return chosen
+
+
+def run(every: int, chosen: dict[str, Variant]) -> None:
+    torch.manual_seed(0)
+    gen = random.Random(0)
+    sms = sm_count(torch.device("cuda"))
+    sizes = graph_batch_sizes(MAX_NUM_SEQS)
+    kv_bytes_per_token = 28 * HKV * D * 2 * 2  # the whole model's K and V, per cached token
+    totals = dict.fromkeys(chosen, 0.0)
+    ideal = 0.0
+    print(f"GPU: {torch.cuda.get_device_name()}; W1 decode steps every {every}; per-layer times, "
+          f"bandwidth = K+V bytes / time", flush=True)
+    for step, seq_lens in w1_decode_batches(every):
+        padded = next(s for s in sizes if s >= len(seq_lens))
+        splits = split_count(pa.DECODE_PROGRAMS_PER_SM * sms, padded * HKV, DEFAULT_MAX_MODEL_LEN,
+                             pa.DECODE_MIN_TOKENS_PER_SPLIT, pa.DECODE_MAX_SPLITS)
+        layer_bytes = sum(seq_lens) * HKV * D * 2 * 2
+        cells = []
+        for name, variant in chosen.items():
+            lens, num_splits, kernels = variant(seq_lens, padded, splits)
+            seconds = time_variant(lens, padded, num_splits, gen, kernels)
+            totals[name] += seconds * 28 * every  # 28 layers; this step stands for `every` steps
+            cells.append(f"{name} {seconds * 1e6:6.1f} us {layer_bytes / seconds / 1e12:4.2f} TB/s ({num_splits})")
+        ideal += sum(seq_lens) * kv_bytes_per_token * every
+        print(f"step {step:4d} batch {len(seq_lens):3d} (graph {padded:3d}) ctx mean {sum(seq_lens) / len(seq_lens):5.0f} "
+              f"max {max(seq_lens):5d}: " + " | ".join(cells), flush=True)
+    print(f"\nW1 decode attention, estimated from these steps (28 layers; BENCH.md's floor reads "
+          f"{ideal / 1e12:.2f} TB, {ideal / 4.24e12:.2f} s at 4.24 TB/s):")
+    for name, seconds in totals.items():
+        print(f"  {name:32s} {seconds:6.3f} s  ({ideal / seconds / 1e12:.2f} TB/s)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--every", type=int, default=32, help="time every this many'th decode step")
+    parser.add_argument("--sweep", action="store_true", help="also time half and twice the engine's split count")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("decode_w1.py needs a CUDA GPU")
+    run(args.every, variants(args.sweep))
+
+
+if __name__ == "__main__":
+    main()
