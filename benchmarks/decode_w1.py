@@ -30,8 +30,8 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, uninstalled
 from benchmarks.common import DEFAULT_MAX_MODEL_LEN, w1_requests  # noqa: E402
 from minivllm.executor.cuda_graphs import graph_batch_sizes  # noqa: E402
-from minivllm.kernels import sm_count, split_count  # noqa: E402
 from minivllm.kernels import paged_attention as pa  # noqa: E402
+from minivllm.kernels import sm_count, split_count  # noqa: E402
 
 HQ, HKV, D, BLOCK = 16, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -79,11 +79,9 @@ def time_variant(seq_lens: list[int], padded: int, num_splits: int, gen: random.
     def step() -> None:
         for k_cache, v_cache, table in layers:
             kernels.paged_attention_decode(q, k_cache, v_cache, lens_dev, table, D ** -0.5, num_splits,
-                                      out=out, part_out=part_out, part_lse=part_lse)
+                                           out=out, part_out=part_out, part_lse=part_lse)
     step()
-    seconds = triton.testing.do_bench_cudagraph(step, rep=60, return_mode="median") * 1e-3 / len(layers)
-    del layers
-    return seconds
+    return triton.testing.do_bench_cudagraph(step, rep=60, return_mode="median") * 1e-3 / len(layers)
 
 
 # A variant: (context lengths in admission order, padded batch, engine split count) ->
