@@ -138,9 +138,10 @@ def test_no_kernel_compiles_after_start_up(tiny_model_factory, cascade_calls: li
     samplings = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.6),
                  SamplingParams(temperature=0.8, seed=3), SamplingParams(temperature=1.0, top_p=0.9),
                  SamplingParams(temperature=0.7, top_k=5, presence_penalty=0.5)]
-    # One prompt alone first: its chunks are steps without decodes, which replay prefill
-    # graphs (steps of chunks behind decodes run eagerly). The third round hits the prefix cache.
-    for batch in (prompts[:1], prompts, prompts, sharing):
+    # A 57-token prompt alone first: its two chunks are steps without one-token rows, which
+    # replay prefill graphs (steps of chunks behind one-token rows, decodes or 1-token
+    # prompts, run eagerly). The third round hits the prefix cache.
+    for batch in ([prompts[-2]], prompts, prompts, sharing):
         params = [dataclasses.replace(samplings[i % len(samplings)], max_tokens=4 + i % 9, ignore_eos=True)
                   for i in range(len(batch))]
         llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
