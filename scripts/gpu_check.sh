@@ -18,11 +18,11 @@
 #   kernels  attention_kernels.py, cascade_attention.py, fused_ops.py, skinny_matmul.py, sampler.py (~3 min)
 #   profile  step_profile.py at batch 256 and 1, W3's decode step, W2's prefill (host vs GPU time, top kernels)
 #   tp     the tensor-parallel GPU tests; needs 2 GPUs (the nvidia-h200-x2 kind; skipped on one),
-#          so not part of "all" (~3 min)
+#          so not part of "all" (> 4 min on a fresh machine: its first case alone ran > 225 s)
 #
 # Environment: OUT (logs; default /tmp/gpu_check), BENCH_ARGS (extra arguments for every
 # benchmark, e.g. "--enforce-eager"), STEP_TIMEOUT (seconds per step, default 480),
-# MINIVLLM_COMMIT (recorded in results.jsonl where the checkout has no .git).
+# MINIVLLM_COMMIT (recorded in results.jsonl; pass it: the device machine's .git can be stale).
 # Every benchmark appends one JSON line to $OUT/results.jsonl; each step's output goes
 # to $OUT/<step>.log (tests: $OUT/gpu_tests.log); $OUT/summary.txt lists each step's
 # exit status and seconds; $OUT/env.txt has nvidia-smi and package versions.
@@ -81,7 +81,9 @@ echo "steps: $GPU_CHECK" | tee -a "$OUT/env.txt"
 for step in ${GPU_CHECK//,/ }; do
     case "$step" in
         tests) run_step gpu_tests python3 -m pytest -m gpu -v --tb=short --durations=15 -p no:cacheprovider tests ;;
-        tp)    run_step tp_tests python3 -m pytest -m gpu -v --tb=short -p no:cacheprovider tests/test_tensor_parallel.py ;;
+        # -s shows each regime as it starts; pytest-timeout (installed there) dumps the stacks of a hang.
+        tp)    run_step tp_tests python3 -m pytest -m gpu -v -s --timeout=$((STEP_TIMEOUT - 30)) --tb=short \
+                   -p no:cacheprovider tests/test_tensor_parallel.py ;;
         w1)    bench w1 throughput.py --model qwen3-0.6b --step-breakdown ;;
         w2)    bench w2 latency.py --model qwen3-0.6b ;;
         w3)    bench w3 prefix_cache.py --model qwen3-0.6b ;;

@@ -97,6 +97,7 @@ def test_gpu_tp2_matches_tp1(name: str, tiny_model_factory) -> None:
     prompts = mixed_prompts(vocab(model_dir), seed=9)
     kwargs = {"gpu_memory_utilization": 0.3, "max_num_seqs": 16}
     for regime in ({}, {"enforce_eager": True}, {"max_num_batched_tokens": 13}):
+        print(f"{name} {regime}: TP 1, then TP 2", flush=True)  # progress, for a run that hangs
         tp1 = make_llm(model_dir, **kwargs, **regime)
         want = run(tp1, prompts, MAX_TOKENS)
         tp2 = make_llm(model_dir, tensor_parallel_size=2, **kwargs, **regime)  # CUDA graphs unless eager
