@@ -27,7 +27,7 @@ import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, uninstalled
-from benchmarks.common import kernel_benchmark_args  # noqa: E402
+from benchmarks.common import kernel_benchmark_args, shuffled_block_tables  # noqa: E402
 from minivllm.kernels import sm_count  # noqa: E402
 from minivllm.kernels import paged_attention as pa  # noqa: E402
 
@@ -38,17 +38,9 @@ PEAK_BW = 4.24e12  # bytes/s, BENCH.md
 
 def build(seq_lens, seed=0):
     """Cache with exactly enough (shuffled) blocks for the batch, plus its block tables."""
-    gen = random.Random(seed)
     need = [triton.cdiv(s, BLOCK) for s in seq_lens]
-    num_blocks = sum(need) + 1
-    perm = list(range(num_blocks))
-    gen.shuffle(perm)
-    table = torch.zeros(len(seq_lens), max(need), dtype=torch.int32)
-    i = 0
-    for b, n in enumerate(need):
-        table[b, :n] = torch.tensor(perm[i:i + n])
-        i += n
-    k_cache = torch.randn(num_blocks, BLOCK, HKV, D, dtype=DTYPE, device="cuda")
+    table = shuffled_block_tables(need, random.Random(seed))
+    k_cache = torch.randn(sum(need), BLOCK, HKV, D, dtype=DTYPE, device="cuda")
     v_cache = torch.randn_like(k_cache)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     return k_cache, v_cache, lens, table.cuda()

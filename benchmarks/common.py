@@ -152,6 +152,20 @@ def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]
     return [rng.randint(0, high) for _ in range(length)]
 
 
+def shuffled_block_tables(blocks_per_seq: list[int], gen: random.Random) -> torch.Tensor:
+    """Block tables [B, max(blocks_per_seq)] int32 (CPU): sequence b gets blocks_per_seq[b]
+    distinct blocks of a pool of exactly sum(blocks_per_seq), shuffled, as pages lie after a
+    long serving run (the rest of each row is 0)."""
+    perm = list(range(sum(blocks_per_seq)))
+    gen.shuffle(perm)
+    table = torch.zeros(len(blocks_per_seq), max(blocks_per_seq), dtype=torch.int32)
+    start = 0
+    for row, n in enumerate(blocks_per_seq):
+        table[row, :n] = torch.tensor(perm[start:start + n])
+        start += n
+    return table
+
+
 def warmup_prompt(vocab_size: int) -> list[int]:
     """The short warm-up request's prompt; shares nothing with any workload prompt's start."""
     return [(7 * i + 3) % min(W1_TOKEN_ID_MAX, vocab_size) for i in range(32)]

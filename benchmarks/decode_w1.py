@@ -28,7 +28,7 @@ import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, uninstalled
-from benchmarks.common import DEFAULT_MAX_MODEL_LEN, w1_requests  # noqa: E402
+from benchmarks.common import DEFAULT_MAX_MODEL_LEN, shuffled_block_tables, w1_requests  # noqa: E402
 from minivllm.executor.cuda_graphs import graph_batch_sizes  # noqa: E402
 from minivllm.kernels import paged_attention as pa  # noqa: E402
 from minivllm.kernels import sm_count, split_count  # noqa: E402
@@ -53,14 +53,8 @@ def build_layers(seq_lens: list[int], gen: random.Random) -> list[tuple[torch.Te
     bytes_per_layer = sum(seq_lens) * HKV * D * 2 * 2
     layers = []
     for _ in range(max(1, int(MIN_BYTES_PER_TIMING // bytes_per_layer) + 1)):
-        perm = list(range(sum(need) + 1))
-        gen.shuffle(perm)
-        table = torch.zeros(len(seq_lens), max(need), dtype=torch.int32)
-        i = 0
-        for b, n in enumerate(need):
-            table[b, :n] = torch.tensor(perm[i:i + n])
-            i += n
-        k_cache = torch.randn(len(perm), BLOCK, HKV, D, dtype=DTYPE, device="cuda")
+        table = shuffled_block_tables(need, gen)
+        k_cache = torch.randn(sum(need), BLOCK, HKV, D, dtype=DTYPE, device="cuda")
         layers.append((k_cache, torch.randn_like(k_cache), table.cuda()))
     return layers
 

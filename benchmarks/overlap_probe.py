@@ -28,6 +28,7 @@ import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, uninstalled
+from benchmarks.common import shuffled_block_tables  # noqa: E402
 from benchmarks.decode_w1 import w1_decode_batches  # noqa: E402
 from minivllm.executor.cuda_graphs import graph_batch_sizes  # noqa: E402
 from minivllm.kernels import paged_attention as pa  # noqa: E402
@@ -60,14 +61,8 @@ class Half:
         """seq_lens padded with empty rows to `padded`, over fresh caches with shuffled pages."""
         lens = seq_lens + [0] * (padded - len(seq_lens))
         need = [triton.cdiv(max(1, s), BLOCK) for s in lens]
-        perm = list(range(sum(need)))
-        gen.shuffle(perm)
-        table = torch.zeros(len(lens), max(need), dtype=torch.int32)
-        i = 0
-        for b, n in enumerate(need):
-            table[b, :n] = torch.tensor(perm[i:i + n])
-            i += n
-        k_caches = [torch.randn(len(perm), BLOCK, HKV, D, dtype=DTYPE, device="cuda") for _ in range(LAYERS)]
+        table = shuffled_block_tables(need, gen)
+        k_caches = [torch.randn(sum(need), BLOCK, HKV, D, dtype=DTYPE, device="cuda") for _ in range(LAYERS)]
         return cls(lens, table.cuda(), k_caches, [torch.randn_like(k) for k in k_caches])
 
     def rows(self, index: list[int], padded: int) -> "Half":
