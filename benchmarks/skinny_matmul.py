@@ -1,7 +1,7 @@
 """Small-batch linear layers: cuBLAS (F.linear) vs minivllm's skinny_matmul (GPU only).
 
     python benchmarks/skinny_matmul.py           # the table (~1 min)
-    python benchmarks/skinny_matmul.py --sweep   # also other tile configs of the Triton kernel
+    python benchmarks/skinny_matmul.py --sweep   # also other tiles and split-K counts of the Triton kernel
 
 Qwen3-0.6B's and Qwen3-8B's projections (qkv, o, gate_up, down), bf16, at batch 1, 4, 8 and 16,
 captured in a CUDA graph as a decode step runs them (triton.testing.do_bench_cudagraph, median).
@@ -11,6 +11,7 @@ table gives the time per call. GB/s counts the weight bytes, which dominate: the
 weights / bandwidth.
 """
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -44,7 +45,6 @@ def per_call_us(matmul, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
 
 def main() -> None:
     args, _ = kernel_benchmark_args(__doc__, "also time other tile configs")
-    print(f"default config: {skinny_matmul_config(DTYPE)}")
     print(f"{'shape':<14}{'M':>4}{'cuBLAS us':>11}{'triton us':>11}{'cuBLAS GB/s':>13}{'triton GB/s':>13}"
           f"{'max |diff|':>12}")
     totals = {m: [0.0, 0.0] for m in BATCHES}
@@ -52,6 +52,7 @@ def main() -> None:
         weight = torch.randn(n, k, device="cuda", dtype=DTYPE) / k ** 0.5
         nbytes = weight.numel() * weight.element_size()
         weights = [weight] + [weight.clone() for _ in range(-(-COLD_BYTES // nbytes) - 1)]
+        print(f"{name}: default config {skinny_matmul_config(DTYPE, n, k, weight.device)}")
         for m in BATCHES:
             x = torch.randn(m, k, device="cuda", dtype=DTYPE)
             diff = (skinny_matmul(x, weight).float() - F.linear(x, weight).float()).abs().max().item()
@@ -63,16 +64,17 @@ def main() -> None:
             print(f"{name:<14}{m:>4}{t_cublas:>11.1f}{t_triton:>11.1f}{nbytes / t_cublas / 1e3:>13.0f}"
                   f"{nbytes / t_triton / 1e3:>13.0f}{diff:>12.3g}", flush=True)
             if args.sweep and m in (1, 16):
-                for block_n in (16, 32, 64):
-                    for block_k in (128, 256, 512):
-                        for stages in (3, 4, 6):
-                            for warps in (4, 8):
-                                cfg = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
-                                try:
-                                    t = per_call_us(lambda a, w, cfg=cfg: skinny_matmul(a, w, config=cfg), x, weights)
-                                except triton.runtime.errors.OutOfResources:
-                                    continue
-                                print(f"    {cfg}: {t:.1f} us ({nbytes / t / 1e3:.0f} GB/s)")
+                for block_n, block_k, split_k in itertools.product((16, 32, 64), (128, 256, 512), (1, 2, 4, 8)):
+                    if split_k * block_k > k:
+                        continue
+                    for stages, warps in itertools.product((3, 4, 6), (4, 8)):
+                        cfg = dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=warps,
+                                   num_stages=stages)
+                        try:
+                            t = per_call_us(lambda a, w, cfg=cfg: skinny_matmul(a, w, config=cfg), x, weights)
+                        except triton.runtime.errors.OutOfResources:
+                            continue
+                        print(f"    {cfg}: {t:.1f} us ({nbytes / t / 1e3:.0f} GB/s)")
     for m, (t_cublas, t_triton) in totals.items():
         print(f"Qwen3-0.6B layer's four projections at M={m}: cuBLAS {t_cublas:.1f} us, triton {t_triton:.1f} us "
               f"(x 28 layers: {28 * (t_cublas - t_triton) / 1e3:+.2f} ms per step saved)")

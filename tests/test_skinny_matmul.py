@@ -21,13 +21,13 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 def check(num_rows: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0,
-          row_stride: int | None = None) -> None:
+          row_stride: int | None = None, config: dict | None = None) -> None:
     gen = torch.Generator().manual_seed(seed)
     wide = torch.randn(num_rows, row_stride or k, generator=gen)
     x = wide[:, :k].to(DEVICE, dtype) if row_stride is None else wide.to(DEVICE, dtype)[:, :k]
     weight = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DEVICE, dtype)
     b = torch.randn(n, generator=gen).to(DEVICE, dtype) if bias else None
-    out = skinny_matmul(x, weight, b)
+    out = skinny_matmul(x, weight, b, config=config)
     want = F.linear(x.double(), weight.double(), None if b is None else b.double())
     assert out.shape == (num_rows, n) and out.dtype == dtype
     torch.testing.assert_close(out.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
@@ -42,6 +42,24 @@ def check(num_rows: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: i
 ])
 def test_matches_linear(dtype, num_rows, n, k, bias):
     check(num_rows, n, k, dtype, bias)
+
+
+@pytest.mark.parametrize("num_rows,n,k,split_k,bias", [
+    (3, 40, 256, 2, True),  # K split evenly; ragged N; bias added once, by the last split
+    (MAX_ROWS, 16, 300, 3, False),  # 5 tiles of 64 in 3 splits, the last one ragged
+    (1, 32, 300, 4, True),  # 5 tiles in 4 splits: the 4th has none and adds zeros
+])
+def test_split_k_matches_linear(num_rows, n, k, split_k, bias):
+    config = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=split_k, num_warps=4, num_stages=2)
+    for seed in range(2):  # a second launch reuses the counters the first left at zero
+        check(num_rows, n, k, torch.float32, bias, seed=seed, config=config)
+
+
+def test_split_k_by_default_where_strips_are_few():
+    # A short, wide output has many strips (no split); a narrow one with a long K splits.
+    assert skinny_module.skinny_matmul_config(torch.float32, 4096, 1024, torch.device(DEVICE))["SPLIT_K"] == 1
+    assert skinny_module.skinny_matmul_config(torch.float32, 16, 2048, torch.device(DEVICE))["SPLIT_K"] > 1
+    check(2, 16, 2048, torch.float32, bias=True)
 
 
 def test_strided_rows_and_empty_batch():

@@ -7,6 +7,13 @@ weights at ~0.8-1.6 TB/s on the H200 (benchmarks/step_profile.py at batch 1: 12.
 the GEMMs were 0.85 ms of a 1.54 ms decode step. This kernel gives each program a strip of
 BLOCK_N weight rows, streamed along K in BLOCK_K tiles through a deep software pipeline,
 against all (up to 16) rows of x at once on the tensor cores (tl.dot's smallest M is 16).
+
+Split-K: a weight with few strips (N = 1,024: 64 programs of 16 rows) would leave most SMs
+idle, each program streaming a long K alone. Then SPLIT_K programs share a strip's K; each
+writes its fp32 partial sums to its own slot of a workspace and counts itself done on the
+strip's counter, and the strip's last program adds the partials up in split order (so the
+result does not depend on which program finished first), adds the bias, stores the output
+and zeroes the counter for the next launch: one launch, no reduction kernel.
 """
 
 import torch
@@ -15,7 +22,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from minivllm.kernels import dot_precision
+from minivllm.kernels import dot_precision, sm_count, split_count
 
 # Largest batch this kernel serves (tl.dot's smallest M is 16).
 MAX_ROWS = 16
@@ -23,30 +30,40 @@ MAX_ROWS = 16
 # (benchmarks/skinny_matmul.py, weights from HBM) cuBLAS's heuristics pick a poor kernel for
 # Qwen3-0.6B's o projection below 8 rows (12.7 us, against this kernel's 6.1) and a good one
 # from 8 rows on (5.8 us); for the other shapes cuBLAS is as fast or faster at every size.
+# (Measured before split-K, which gives the N = 1,024 shapes 4x the programs: to re-measure.)
 ROUTED_ROWS = 4
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # one compilation for every batch size
 def _skinny_matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr,
+    part_ptr,  # [SPLIT_K, BLOCK_M, N] fp32 workspace (SPLIT_K > 1)
+    count_ptr,  # [strips] int32, zero between launches: splits of each strip done (SPLIT_K > 1)
     num_rows, N, K,
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks along K
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output features of this program
+    strip = tl.program_id(0)
+    split = tl.program_id(1)
+    cols = strip * BLOCK_N + tl.arange(0, BLOCK_N)  # output features of this program
     rows = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     row_mask = rows < num_rows
     col_mask = cols < N
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # int64: N * K may pass 2**31
+    # This split's K range, in whole BLOCK_K tiles (the last split's may end in a ragged one).
+    tiles_per_split = ((K + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K
+    k_begin = split * tiles_per_split * BLOCK_K
+    k_end = tl.minimum(k_begin + tiles_per_split * BLOCK_K, K)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_begin + offs_k)[None, :]
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + (k_begin + offs_k)[None, :]  # int64: N * K may pass 2**31
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    for k in range(k_begin, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=col_mask[:, None], other=0.0)
@@ -57,18 +74,66 @@ def _skinny_matmul_kernel(
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part_ptrs = part_ptr + rows[:, None] * N + cols[None, :]  # split s's: s * BLOCK_M * N further
+        tl.store(part_ptrs + split * BLOCK_M * N, acc, mask=out_mask)
+        # Every thread's partials are stored before the count (one thread's atomic) says so:
+        # the barrier orders them before it, acq_rel publishes them and shows the last program
+        # everyone's (the pattern of CUTLASS's split-K semaphore).
+        tl.debug_barrier()
+        if tl.atomic_add(count_ptr + strip, 1, sem="acq_rel") == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(SPLIT_K):  # in split order: the same sum whoever came last
+                total += tl.load(part_ptrs + s * BLOCK_M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(count_ptr + strip, 0)  # ready for the next launch
 
 
-def skinny_matmul_config(dtype: torch.dtype) -> dict:
-    """Tiles: 16 weight rows per program (Qwen3-0.6B's o projection, N = 1,024, then still
-    spans 64 programs), 256 columns of K per step, 4 tiles in flight (32 KB of bf16 weights
-    per program). First guesses, to be swept on the GPU (benchmarks/skinny_matmul.py)."""
-    block_k = 256 if dtype.itemsize == 2 else 128
-    return dict(BLOCK_N=16, BLOCK_K=block_k, num_warps=4, num_stages=4)
+# Split-K launch heuristic: enough programs for this many per SM, but no split shorter than
+# MIN_K_PER_SPLIT columns of K (first guesses, to be swept on the GPU).
+PROGRAMS_PER_SM = 2
+MIN_K_PER_SPLIT = 512
+MAX_SPLIT_K = 8
+
+
+def skinny_matmul_config(dtype: torch.dtype, n: int, k: int, device: torch.device) -> dict:
+    """Tiles: 16 weight rows per program, 256 columns of K per step, 4 tiles in flight (32 KB
+    of bf16 weights per program); SPLIT_K programs per strip where the strips alone would
+    not fill the GPU (N = 1,024 has 64 strips). First guesses, to be swept on the GPU
+    (benchmarks/skinny_matmul.py)."""
+    block_n, block_k = 16, 256 if dtype.itemsize == 2 else 128
+    split_k = split_count(PROGRAMS_PER_SM * sm_count(device), triton.cdiv(n, block_n), k,
+                          max(MIN_K_PER_SPLIT, block_k), MAX_SPLIT_K)
+    # Whole tiles per split: drop splits that rounding would leave empty.
+    k_tiles = triton.cdiv(k, block_k)
+    split_k = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split_k))
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=4)
+
+
+# Split-K partials and counters, one pair per (device, N, SPLIT_K, strips), shared by every call of
+# that shape: calls run one after another on one stream, and each leaves the counters at
+# zero. Never reallocated, so CUDA graphs can keep pointing at them; made on the first call,
+# which start-up's beats_cublas() makes for every weight before any graph is captured.
+_workspaces: dict[tuple[torch.device, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_k_workspace(device: torch.device, n: int, split_k: int, strips: int) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (device, n, split_k, strips)
+    if key not in _workspaces:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"skinny_matmul's split-K workspace for N={n} must exist before CUDA-graph "
+                               "capture: call skinny_matmul (or beats_cublas) on the weight first.")
+        _workspaces[key] = (torch.empty(split_k * MAX_ROWS * n, dtype=torch.float32, device=device),
+                            torch.zeros(strips, dtype=torch.int32, device=device))
+    return _workspaces[key]
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -78,7 +143,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     weight [N, K] and x share a float dtype, both with a contiguous last dimension (x's
     row stride is free); fp32 accumulation; fp32 inputs multiply at about fp32 precision
     (dot_precision: three TF32 products, not one). `config` overrides skinny_matmul_config()
-    (BLOCK_N, BLOCK_K, num_warps, num_stages).
+    (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages).
     """
     num_rows, k = x.shape
     n = weight.shape[0]
@@ -91,13 +156,18 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     if num_rows == 0 or n == 0:
         return out
-    cfg = skinny_matmul_config(x.dtype) if config is None else config
-    _skinny_matmul_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-        x, weight, bias if bias is not None else weight, out,
+    cfg = skinny_matmul_config(x.dtype, n, k, x.device) if config is None else config
+    strips, split_k = triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"]
+    part = count = out  # placeholders when SPLIT_K == 1 (never touched)
+    if split_k > 1:
+        part, count = _split_k_workspace(x.device, n, split_k, strips)
+    _skinny_matmul_kernel[(strips, split_k)](
+        x, weight, bias if bias is not None else weight, out, part, count,
         num_rows, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
         EVEN_K=k % cfg["BLOCK_K"] == 0,
+        SPLIT_K=split_k,
         BLOCK_M=MAX_ROWS,
         BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"],
