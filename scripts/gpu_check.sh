@@ -15,7 +15,8 @@
 #          measured; the first 128 drawn the same way are 66,720 tokens, ~1.8 min.
 #          Its tok/s is therefore at half W1's concurrency: not the exact W1 number.
 #   w1_8b  W1 throughput, qwen3-8b                                     (~1-2 min)
-#   kernels  attention_kernels.py, cascade_attention.py, fused_ops.py, skinny_matmul.py, sampler.py (~3 min)
+#   kernels  attention_kernels.py, cascade_attention.py, fused_ops.py, skinny_matmul.py, sampler.py,
+#          decode_w1.py (decode attention on W1's batches), persistent_decode_probe.py (~5 min)
 #   profile  step_profile.py at batch 256 and 1, W3's decode step, W2's prefill (host vs GPU time, top kernels)
 #   tp     the tensor-parallel GPU tests; needs 2 GPUs (the nvidia-h200-x2 kind; skipped on one),
 #          so not part of "all" (> 4 min on a fresh machine: its first case alone ran > 225 s)
@@ -94,7 +95,9 @@ for step in ${GPU_CHECK//,/ }; do
             run_step cascade_attention python3 benchmarks/cascade_attention.py
             run_step fused_ops python3 benchmarks/fused_ops.py
             run_step skinny_matmul python3 benchmarks/skinny_matmul.py
-            run_step sampler python3 benchmarks/sampler.py ;;
+            run_step sampler python3 benchmarks/sampler.py
+            run_step decode_w1 python3 benchmarks/decode_w1.py --every 64 --sweep
+            run_step persistent_decode python3 benchmarks/persistent_decode_probe.py ;;
         profile)  # where a decode step's time goes (host vs GPU, top kernels)
             run_step profile_b256 python3 benchmarks/step_profile.py --batch 256 --context 1000
             run_step profile_b1 python3 benchmarks/step_profile.py --batch 1 --context 1000
