@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 from benchmarks.common import DEFAULT_MAX_MODEL_LEN, shuffled_block_tables, w1_requests  # noqa: E402
 from minivllm.executor.cuda_graphs import graph_batch_sizes  # noqa: E402
 from minivllm.kernels import paged_attention as pa  # noqa: E402
-from minivllm.kernels import sm_count, split_count  # noqa: E402
+from minivllm.kernels import sm_count  # noqa: E402
 
 HQ, HKV, D, BLOCK = 16, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -110,8 +110,7 @@ def run(every: int, chosen: dict[str, Variant]) -> None:
           f"bandwidth = K+V bytes / time", flush=True)
     for step, seq_lens in w1_decode_batches(every):
         padded = next(s for s in sizes if s >= len(seq_lens))
-        splits = split_count(pa.DECODE_PROGRAMS_PER_SM * sms, padded * HKV, DEFAULT_MAX_MODEL_LEN,
-                             pa.DECODE_MIN_TOKENS_PER_SPLIT, pa.DECODE_MAX_SPLITS)
+        splits = pa.decode_num_splits(padded, HKV, DEFAULT_MAX_MODEL_LEN, sms)  # as the engine's graph
         layer_bytes = sum(seq_lens) * HKV * D * 2 * 2
         cells = []
         for name, variant in chosen.items():
