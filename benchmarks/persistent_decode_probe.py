@@ -8,7 +8,9 @@ sequences. Here the host cuts every context into chunks of at most CHUNK tokens,
 (sequence, KV head, chunk) items longest first, and a fixed grid of PROGRAMS_PER_SM programs per
 SM takes items i, i + P, i + 2P, ...: no tail of a late long context, no split count frozen in
 the graph, and long contexts of small batches still spread over the whole GPU. A sequence
-cut into several chunks has them merged by a reduce launch, as the engine's splits are.
+cut into several chunks has them merged by a reduce launch, as the engine's splits are. The
+chunk length is read on the device, so it can follow the batch: fixed (256, 512, 1,024
+tokens), or chosen per batch for about 2, 4 or 8 items per program ("adaptive").
 
     python benchmarks/persistent_decode_probe.py [--every 64]     # GPU: time it on W1's batches
     TRITON_INTERPRET=1 python benchmarks/persistent_decode_probe.py --check   # CPU: correctness only
@@ -42,6 +44,7 @@ def _persistent_decode_kernel(
     seq_lens_ptr, block_tables_ptr,
     items_ptr,  # [>= num_items] int32: (seq * num_kv_heads + kv_head) * max_chunks + chunk, longest first
     num_items_ptr,  # [1] int32
+    chunk_len_ptr,  # [1] int32: tokens per chunk, a multiple of BLOCK_N (this step's choice)
     scale_log2,
     num_kv_heads, max_chunks,
     stride_qn, stride_qh,
@@ -53,10 +56,10 @@ def _persistent_decode_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    CHUNK: tl.constexpr,  # a multiple of BLOCK_N
     DOT_PRECISION: tl.constexpr,
 ):
     num_items = tl.load(num_items_ptr)
+    chunk_len = tl.load(chunk_len_ptr)
     rows = tl.arange(0, BLOCK_M)
     row_valid = rows < GQA
     offs_d = tl.arange(0, HEAD_DIM)
@@ -67,14 +70,14 @@ def _persistent_decode_kernel(
         seq = item // (max_chunks * num_kv_heads)
         head = kv_head * GQA + rows
         kv_len = tl.load(seq_lens_ptr + seq)
-        num_keys = tl.minimum(kv_len - chunk * CHUNK, CHUNK)
+        num_keys = tl.minimum(kv_len - chunk * chunk_len, chunk_len)
         q = tl.load(q_ptr + seq.to(tl.int64) * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
                     mask=row_valid[:, None], other=0.0)
         block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        first_tile = chunk * (CHUNK // BLOCK_N)
+        first_tile = chunk * (chunk_len // BLOCK_N)
         num_full = num_keys // BLOCK_N
         acc, l_i, m_i = _attend_kv_tiles(
             acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head * stride_ch,
@@ -85,7 +88,7 @@ def _persistent_decode_kernel(
             first_tile + num_full, first_tile + (num_keys + BLOCK_N - 1) // BLOCK_N, kv_len, m_i,
             scale_log2, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, False, DOT_PRECISION)
         out = acc / l_i[:, None]  # every item has at least one key
-        if kv_len <= CHUNK:  # the only chunk: the final output
+        if kv_len <= chunk_len:  # the only chunk: the final output
             tl.store(out_ptr + seq.to(tl.int64) * stride_on + head[:, None] * stride_oh + offs_d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
         else:
@@ -95,14 +98,15 @@ def _persistent_decode_kernel(
 
 
 @triton.jit
-def _merge_chunks_kernel(part_out_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, max_chunks,
+def _merge_chunks_kernel(part_out_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, chunk_len_ptr, max_chunks,
                          stride_on, stride_oh, num_q_heads,
-                         HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, MAX_CHUNKS_POW2: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, MAX_CHUNKS_POW2: tl.constexpr):
     # One program per (sequence, query head) cut into several chunks: the chunks' outputs
     # weighted by 2 ** (lse - max lse).
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    num_chunks = (tl.load(seq_lens_ptr + seq) + CHUNK - 1) // CHUNK
+    chunk_len = tl.load(chunk_len_ptr)
+    num_chunks = (tl.load(seq_lens_ptr + seq) + chunk_len - 1) // chunk_len
     if num_chunks > 1:
         c = tl.arange(0, MAX_CHUNKS_POW2)
         valid = c < num_chunks
@@ -131,45 +135,61 @@ def work_items(seq_lens: list[int], num_kv_heads: int, chunk: int, max_chunks: i
     return items.astype(np.int32)
 
 
+ADAPTIVE_MIN_CHUNK = 128  # tokens; an adaptive chunk is a multiple of 64 (the bf16 key tile)
+
+
 class PersistentDecode:
-    """The probe's decode attention for one batch shape: buffers sized for max_num_seqs
-    sequences of up to max_model_len tokens, so one CUDA graph serves any lengths."""
+    """The probe's decode attention: buffers sized for max_num_seqs sequences of up to
+    max_model_len tokens, so one CUDA graph serves any lengths. chunk: tokens per chunk, or
+    None to choose it per batch so that each program gets about items_per_program items."""
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, max_num_seqs: int, max_model_len: int,
-                 chunk: int, programs_per_sm: int, device: torch.device) -> None:
-        self.num_kv_heads, self.chunk = num_kv_heads, chunk
-        self.max_chunks = triton.cdiv(max_model_len, chunk)
+                 chunk: int | None, programs_per_sm: int, device: torch.device, items_per_program: int = 4) -> None:
+        self.num_kv_heads, self.chunk, self.items_per_program = num_kv_heads, chunk, items_per_program
+        self.max_model_len = max_model_len
+        self.min_chunk = ADAPTIVE_MIN_CHUNK if chunk is None else chunk
+        self.max_chunks = triton.cdiv(max_model_len, self.min_chunk)
         self.num_programs = programs_per_sm * sm_count(device)
         self.items = torch.zeros(max_num_seqs * num_kv_heads * self.max_chunks, dtype=torch.int32, device=device)
         self.num_items = torch.zeros(1, dtype=torch.int32, device=device)
+        self.chunk_len = torch.zeros(1, dtype=torch.int32, device=device)
         rows = max_num_seqs * num_q_heads * self.max_chunks
         self.part_out = torch.empty(rows * head_dim, dtype=torch.float32, device=device)
         self.part_lse = torch.empty(rows, dtype=torch.float32, device=device)
 
-    def set_lengths(self, seq_lens: list[int]) -> None:
-        """Upload the work list of a batch (what a step's input preparation would do)."""
-        items = work_items(seq_lens, self.num_kv_heads, self.chunk, self.max_chunks)
+    def chunk_for(self, seq_lens: list[int]) -> int:
+        if self.chunk is not None:
+            return self.chunk
+        want = self.num_kv_heads * sum(seq_lens) / (self.num_programs * self.items_per_program)
+        return min(max(ADAPTIVE_MIN_CHUNK, -(-int(want) // 64) * 64), -(-self.max_model_len // 64) * 64)
+
+    def set_lengths(self, seq_lens: list[int]) -> int:
+        """Upload a batch's chunk length and work list (what a step's input preparation would
+        do); returns the chunk length."""
+        chunk = self.chunk_for(seq_lens)
+        items = work_items(seq_lens, self.num_kv_heads, chunk, self.max_chunks)
         self.items[:len(items)] = torch.from_numpy(items).to(self.items.device)
         self.num_items.fill_(len(items))
+        self.chunk_len.fill_(chunk)
+        return chunk
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                  block_tables: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
         num_seqs, num_q_heads, head_dim = q.shape
         gqa = num_q_heads // self.num_kv_heads
         cfg = pa.decode_config(head_dim, q.dtype)
-        block_n = min(cfg["BLOCK_N"], self.chunk)
-        assert self.chunk % block_n == 0, "a chunk must be whole key tiles"
+        block_n = min(cfg["BLOCK_N"], self.min_chunk)  # every chunk length is a multiple of it
         _persistent_decode_kernel[(self.num_programs,)](
             q, k_cache, v_cache, out, self.part_out, self.part_lse, seq_lens, block_tables,
-            self.items, self.num_items, scale * LOG2E, self.num_kv_heads, self.max_chunks,
+            self.items, self.num_items, self.chunk_len, scale * LOG2E, self.num_kv_heads, self.max_chunks,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             GQA=gqa, BLOCK_M=max(16, triton.next_power_of_2(gqa)), HEAD_DIM=head_dim,
-            BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, CHUNK=self.chunk,
+            BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
             DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         _merge_chunks_kernel[(num_seqs, num_q_heads)](
-            self.part_out, self.part_lse, out, seq_lens, self.max_chunks, out.stride(0), out.stride(1),
-            num_q_heads, HEAD_DIM=head_dim, CHUNK=self.chunk,
+            self.part_out, self.part_lse, out, seq_lens, self.chunk_len, self.max_chunks, out.stride(0),
+            out.stride(1), num_q_heads, HEAD_DIM=head_dim,
             MAX_CHUNKS_POW2=triton.next_power_of_2(self.max_chunks), num_warps=4)
         return out
 
@@ -179,7 +199,8 @@ def check(device: torch.device) -> None:
     gen = random.Random(0)
     hq, hkv, d, block = 4, 2, 32, 8
     for seq_lens, chunk in (([1, 5, 16, 17, 40, 33], 16), ([100, 3, 64], 32), ([0, 7, 0, 70], 16),
-                            ([300, 129, 5, 128], 128)):  # chunks of two 64-key tiles
+                            ([300, 129, 5, 128], 128),  # chunks of two 64-key tiles
+                            ([500, 129, 5, 300], None)):  # a chunk for ~4 items per program (4 on a CPU)
         need = [triton.cdiv(max(1, s), block) for s in seq_lens]
         table = shuffled_block_tables(need, gen).to(device)
         k_cache = torch.randn(sum(need), block, hkv, d, device=device)
@@ -188,7 +209,7 @@ def check(device: torch.device) -> None:
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
         want = pa.paged_attention_decode(q, k_cache, v_cache, lens, table, d ** -0.5, 1)
         probe = PersistentDecode(hq, hkv, d, len(seq_lens), 512, chunk, 1, device)
-        probe.set_lengths(seq_lens)
+        chunk = probe.set_lengths(seq_lens)
         got = probe(q, k_cache, v_cache, lens, table, d ** -0.5, torch.zeros_like(q))
         nonempty = lens > 0
         torch.testing.assert_close(got[nonempty], want[nonempty], atol=1e-4, rtol=1e-4)
@@ -245,9 +266,13 @@ def main() -> None:
     check(torch.device("cuda"))
     hq, hkv, d = 16, 8, 128
     device = torch.device("cuda")
-    variants = [(chunk, per_sm) for chunk in (256, 512, 1024) for per_sm in (3, 4)]
-    probes = {v: PersistentDecode(hq, hkv, d, 256, DEFAULT_MAX_MODEL_LEN, v[0], v[1], device) for v in variants}
-    totals = dict.fromkeys(["engine", *variants], 0.0)
+    probes = {f"chunk {chunk}, {per_sm}/SM": PersistentDecode(hq, hkv, d, 256, DEFAULT_MAX_MODEL_LEN, chunk, per_sm,
+                                                              device)
+              for chunk in (256, 512, 1024) for per_sm in (3, 4)}
+    probes |= {f"adaptive, {ipp} items/program": PersistentDecode(hq, hkv, d, 256, DEFAULT_MAX_MODEL_LEN, None, 4,
+                                                                  device, items_per_program=ipp)
+               for ipp in (2, 4, 8)}
+    totals = dict.fromkeys(["engine", *probes], 0.0)
     gen = random.Random(0)
     for step, seq_lens in w1_decode_batches(args.every):
         seconds = time_step(sorted(seq_lens, reverse=True), probes, gen)  # decodes as the runner orders them
@@ -258,8 +283,7 @@ def main() -> None:
             f"{name}: {t * 1e6:6.1f} us {layer_bytes / t / 1e12:4.2f} TB/s" for name, t in seconds.items()), flush=True)
     print("\nW1 decode attention, estimated from these steps (28 layers):")
     for name, seconds in totals.items():
-        label = "engine (splits frozen in the graph)" if name == "engine" else f"chunk {name[0]}, {name[1]} per SM"
-        print(f"  {label:38s} {seconds:6.3f} s")
+        print(f"  {name:38s} {seconds:6.3f} s")
 
 
 if __name__ == "__main__":
