@@ -92,6 +92,13 @@ def test_gpu_projection_shapes(dtype, n, k, num_rows):
     check(num_rows, n, k, dtype, bias=n == 4096)
 
 
+def test_start_up_choice_refuses_a_kernel_that_disagrees(monkeypatch):
+    # A fast but wrong kernel must never be chosen: the check runs before any timing.
+    monkeypatch.setattr(skinny_module, "skinny_matmul", lambda x, w, b: F.linear(x, w, b) * 1.1)
+    with pytest.raises(RuntimeError, match="disagrees"):
+        skinny_module.beats_cublas(torch.randn(24, 40, device=DEVICE), None)
+
+
 @pytest.mark.gpu
 @gpu
 def test_gpu_beats_cublas_times_each_shape_once(monkeypatch):

@@ -184,10 +184,16 @@ _beats_cublas: dict[tuple, bool] = {}
 def beats_cublas(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether skinny_matmul multiplies one row by this weight (and adds this bias) at least
     5 % faster than cuBLAS on this GPU: timed once per shape and dtype, each in a CUDA graph.
-    Timing compiles the kernel variant too, so that no step has to."""
+    Timing compiles the kernel variant too, so that no step has to. Raises if the two
+    disagree (a kernel bug must not be chosen for being fast)."""
     key = (tuple(weight.shape), weight.dtype, weight.device, bias is not None)
     if key not in _beats_cublas:
         x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        ours, want = skinny_matmul(x, weight, bias).double(), F.linear(x, weight, bias).double()
+        error = float((ours - want).norm() / want.norm().clamp_min(1e-30))
+        if error > (1e-5 if weight.dtype == torch.float32 else 1e-2):
+            raise RuntimeError(f"skinny_matmul disagrees with F.linear on a {tuple(weight.shape)} {weight.dtype} "
+                               f"weight (relative error {error:.2e}): a kernel bug.")
         ours, cublas = (triton.testing.do_bench_cudagraph(lambda fn=fn: fn(x, weight, bias), rep=5)
                         for fn in (skinny_matmul, F.linear))
         _beats_cublas[key] = ours < 0.95 * cublas
