@@ -10,7 +10,9 @@ SM takes items i, i + P, i + 2P, ...: no tail of a late long context, no split c
 the graph, and long contexts of small batches still spread over the whole GPU. A sequence
 cut into several chunks has them merged by a reduce launch, as the engine's splits are. The
 chunk length is read on the device, so it can follow the batch: fixed (256, 512, 1,024
-tokens), or chosen per batch for about 2, 4 or 8 items per program ("adaptive").
+tokens), or chosen per batch for about 2, 4 or 8 items per program ("adaptive"). "K/V reads
+alone" streams the same pages without attending (the first variant's work list): the floor
+for any kernel that reads them in that order.
 
     python benchmarks/persistent_decode_probe.py [--every 64]     # GPU: time it on W1's batches
     TRITON_INTERPRET=1 python benchmarks/persistent_decode_probe.py --check   # CPU: correctness only
@@ -95,6 +97,37 @@ def _persistent_decode_kernel(
             part = (seq * (num_kv_heads * GQA) + head) * max_chunks + chunk
             tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_valid[:, None])
             tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_valid)
+
+
+@triton.jit
+def _stream_kv_kernel(k_cache_ptr, v_cache_ptr, sink_ptr, seq_lens_ptr, block_tables_ptr, items_ptr,
+                      num_items_ptr, chunk_len_ptr, num_kv_heads, max_chunks, stride_cb, stride_cs, stride_ch,
+                      stride_bt, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The memory side alone: the persistent kernel's loads of every item's K and V, summed
+    # instead of attended (the sum is stored so that the loads stay). Its time is the floor
+    # for any attention kernel reading these pages in this order.
+    num_items = tl.load(num_items_ptr)
+    chunk_len = tl.load(chunk_len_ptr)
+    offs_d = tl.arange(0, HEAD_DIM)
+    total = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    for i in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        item = tl.load(items_ptr + i)
+        chunk = item % max_chunks
+        kv_head = (item // max_chunks) % num_kv_heads
+        seq = item // (max_chunks * num_kv_heads)
+        kv_len = tl.load(seq_lens_ptr + seq)
+        first_key = chunk * chunk_len
+        end_key = tl.minimum(first_key + chunk_len, kv_len)
+        for start in range(first_key, end_key, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            valid = offs_n < end_key
+            block_ids = tl.load(block_tables_ptr + seq.to(tl.int64) * stride_bt + offs_n // BLOCK_SIZE,
+                                mask=valid, other=0)
+            ptrs = (block_ids.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs
+                    + kv_head * stride_ch)[:, None] + offs_d[None, :]
+            total += tl.load(k_cache_ptr + ptrs, mask=valid[:, None], other=0.0).to(tl.float32)
+            total += tl.load(v_cache_ptr + ptrs, mask=valid[:, None], other=0.0).to(tl.float32)
+    tl.store(sink_ptr + tl.program_id(0), tl.sum(tl.sum(total, 1), 0))
 
 
 @triton.jit
@@ -194,6 +227,16 @@ class PersistentDecode:
         return out
 
 
+def stream_only(probe: "PersistentDecode", k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+                block_tables: torch.Tensor, sink: torch.Tensor) -> None:
+    """_stream_kv_kernel over the probe's current work list."""
+    _stream_kv_kernel[(probe.num_programs,)](
+        k_cache, v_cache, sink, seq_lens, block_tables, probe.items, probe.num_items, probe.chunk_len,
+        probe.num_kv_heads, probe.max_chunks, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), HEAD_DIM=k_cache.shape[-1], BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_N=min(64, probe.min_chunk), num_warps=4, num_stages=3)
+
+
 def check(device: torch.device) -> None:
     """The probe's kernels against the engine's decode launch, on small ragged batches."""
     gen = random.Random(0)
@@ -213,6 +256,13 @@ def check(device: torch.device) -> None:
         got = probe(q, k_cache, v_cache, lens, table, d ** -0.5, torch.zeros_like(q))
         nonempty = lens > 0
         torch.testing.assert_close(got[nonempty], want[nonempty], atol=1e-4, rtol=1e-4)
+        # The reads-only kernel reads exactly every cached K and V of the batch.
+        sink = torch.zeros(probe.num_programs, device=device)
+        stream_only(probe, k_cache, v_cache, lens, table, sink)
+        blocks = [table[b, :triton.cdiv(n, block)] for b, n in enumerate(seq_lens)]
+        want_sum = sum(float(cache[ids].flatten(0, 1)[:n].sum()) for ids, n in zip(blocks, seq_lens)
+                       for cache in (k_cache, v_cache))
+        assert abs(float(sink.sum()) - want_sum) < 1e-3 * (1 + abs(want_sum)), (float(sink.sum()), want_sum)
         print(f"ok: lengths {seq_lens}, chunk {chunk}")
 
 
@@ -240,6 +290,13 @@ def time_step(seq_lens: list[int], probes: dict, gen: random.Random) -> dict:
         for k, v, table in layers:
             probe(q, k, v, lens_dev, table, d ** -0.5, out)
 
+    floor_probe = next(iter(probes.values()))
+    sink = torch.empty(floor_probe.num_programs, dtype=torch.float32, device=device)
+
+    def stream() -> None:
+        for k, v, table in layers:
+            stream_only(floor_probe, k, v, lens_dev, table, sink)
+
     seconds = {}
     reference = None
     for name, run in [("engine", engine), *((v, lambda p=p: persistent(p)) for v, p in probes.items())]:
@@ -250,6 +307,9 @@ def time_step(seq_lens: list[int], probes: dict, gen: random.Random) -> dict:
             reference = out[:len(seq_lens)].clone()
         torch.testing.assert_close(out[:len(seq_lens)], reference, atol=2e-2, rtol=2e-2)
         seconds[name] = triton.testing.do_bench_cudagraph(run, rep=60, return_mode="median") * 1e-3 / len(layers)
+    floor_probe.set_lengths(lens)
+    stream()
+    seconds["K/V reads alone"] = triton.testing.do_bench_cudagraph(stream, rep=60, return_mode="median") * 1e-3 / len(layers)
     return seconds
 
 
@@ -272,7 +332,7 @@ def main() -> None:
     probes |= {f"adaptive, {ipp} items/program": PersistentDecode(hq, hkv, d, 256, DEFAULT_MAX_MODEL_LEN, None, 4,
                                                                   device, items_per_program=ipp)
                for ipp in (2, 4, 8)}
-    totals = dict.fromkeys(["engine", *probes], 0.0)
+    totals = dict.fromkeys(["engine", *probes, "K/V reads alone"], 0.0)
     gen = random.Random(0)
     for step, seq_lens in w1_decode_batches(args.every):
         seconds = time_step(sorted(seq_lens, reverse=True), probes, gen)  # decodes as the runner orders them
