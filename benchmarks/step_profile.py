@@ -78,6 +78,20 @@ def gpu_profile(run: Callable[[], None], calls: int) -> str:
     return f"{gpu_us / 1e3:.3f} ms", events.table(sort_by="device_time_total", row_limit=12, max_name_column_width=60)
 
 
+def profile_and_report(run: Callable[[], None], calls: int, args: argparse.Namespace,
+                       describe: Callable[[float, str], str]) -> None:
+    """run() once to warm up, once timed, once under the profiler; print describe(wall
+    seconds of the timed run, GPU kernel time per call), the top kernels, the host profile."""
+    run()
+    start = time.perf_counter()
+    run()
+    wall = time.perf_counter() - start
+    gpu, table = gpu_profile(run, calls)
+    print(describe(wall, gpu))
+    print(table)
+    host_profile(run, args)
+
+
 def profile_prefill(llm: Any, args: argparse.Namespace, vocab_size: int) -> None:
     from minivllm import SamplingParams
 
@@ -89,15 +103,9 @@ def profile_prefill(llm: Any, args: argparse.Namespace, vocab_size: int) -> None
             llm.generate({"prompt_token_ids": random_prompt(rng, args.context, vocab_size)}, params, use_tqdm=False)
         synchronize()
 
-    run()  # warm-up
-    start = time.perf_counter()
-    run()
-    wall = (time.perf_counter() - start) / args.steps
-    gpu, table = gpu_profile(run, args.steps)
-    print(f"== prefill profile: one {args.context}-token prompt, 1 output token")
-    print(f"wall per generate() {wall * 1e3:.3f} ms | GPU kernels per generate() {gpu}")
-    print(table)
-    host_profile(run, args)
+    profile_and_report(run, args.steps, args, lambda wall, gpu: (
+        f"== prefill profile: one {args.context}-token prompt, 1 output token\n"
+        f"wall per generate() {wall / args.steps * 1e3:.3f} ms | GPU kernels per generate() {gpu}"))
 
 
 def profile_w1_start(llm: Any, args: argparse.Namespace, vocab_size: int) -> None:
@@ -124,15 +132,9 @@ def profile_w1_start(llm: Any, args: argparse.Namespace, vocab_size: int) -> Non
         for request_id in list(engine.requests):
             engine.abort_request(request_id)
 
-    run()  # warm-up
-    start = time.perf_counter()
-    run()
-    wall = time.perf_counter() - start
-    gpu, table = gpu_profile(run, 1)
-    print(f"== W1's first {steps} steps (until every prompt is computed)")
-    print(f"wall {wall * 1e3:.1f} ms ({wall * 1e3 / steps:.2f} ms per step) | GPU kernels {gpu}")
-    print(table)
-    host_profile(run, args)
+    profile_and_report(run, 1, args, lambda wall, gpu: (
+        f"== W1's first {steps} steps (until every prompt is computed)\n"
+        f"wall {wall * 1e3:.1f} ms ({wall * 1e3 / steps:.2f} ms per step) | GPU kernels {gpu}"))
 
 
 def profile_decode(llm: Any, args: argparse.Namespace, vocab_size: int) -> None:
