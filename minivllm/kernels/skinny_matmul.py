@@ -16,6 +16,7 @@ result does not depend on which program finished first), adds the bias, stores t
 and zeroes the counter for the next launch: one launch, no reduction kernel.
 """
 
+import functools
 import logging
 
 import torch
@@ -108,11 +109,12 @@ MIN_K_PER_SPLIT = 512
 MAX_SPLIT_K = 8
 
 
+@functools.cache  # called by every eager skinny_matmul: the split heuristic once per shape
 def skinny_matmul_config(dtype: torch.dtype, n: int, k: int, device: torch.device) -> dict:
     """Tiles: 16 weight rows per program, 256 columns of K per step, 4 tiles in flight (32 KB
     of bf16 weights per program); SPLIT_K programs per strip where the strips alone would
     not fill the GPU (N = 1,024 has 64 strips). First guesses, to be swept on the GPU
-    (benchmarks/skinny_matmul.py)."""
+    (benchmarks/skinny_matmul.py). The returned dict is shared: read it, don't change it."""
     block_n, block_k = 16, 256 if dtype.itemsize == 2 else 128
     split_k = split_count(PROGRAMS_PER_SM * sm_count(device), triton.cdiv(n, block_n), k,
                           max(MIN_K_PER_SPLIT, block_k), MAX_SPLIT_K)
