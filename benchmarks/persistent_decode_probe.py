@@ -31,7 +31,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, uninstalled
 from benchmarks.common import DEFAULT_MAX_MODEL_LEN, shuffled_block_tables  # noqa: E402
-from benchmarks.decode_w1 import build_layers, w1_decode_batches  # noqa: E402
+from benchmarks.decode_w1 import HKV, HQ, D, build_layers, w1_decode_batches  # noqa: E402
 from minivllm.executor.cuda_graphs import graph_batch_sizes  # noqa: E402
 from minivllm.kernels import dot_precision, sm_count  # noqa: E402
 from minivllm.kernels import paged_attention as pa  # noqa: E402
@@ -269,26 +269,25 @@ def check(device: torch.device) -> None:
 def time_step(seq_lens: list[int], probes: dict, gen: random.Random) -> dict:
     """Seconds per layer of the engine's decode launch and of each probe, on one W1 batch
     padded to its graph size (K/V from HBM: several layers' caches in turn)."""
-    hq, hkv, d = 16, 8, 128
     device = torch.device("cuda")
     padded = next(s for s in graph_batch_sizes(256) if s >= len(seq_lens))
     lens = seq_lens + [0] * (padded - len(seq_lens))
     layers = build_layers([max(1, s) for s in lens], gen)
     lens_dev = torch.tensor(lens, dtype=torch.int32, device=device)
-    q = torch.randn(padded, hq, d, dtype=torch.bfloat16, device=device)
+    q = torch.randn(padded, HQ, D, dtype=torch.bfloat16, device=device)
     out = torch.empty_like(q)
-    splits = pa.decode_num_splits(padded, hkv, DEFAULT_MAX_MODEL_LEN, sm_count(device))
-    part_out = torch.empty(padded * hq * splits * d, dtype=torch.float32, device=device)
-    part_lse = torch.empty(padded * hq * splits, dtype=torch.float32, device=device)
+    splits = pa.decode_num_splits(padded, HKV, DEFAULT_MAX_MODEL_LEN, sm_count(device))
+    part_out = torch.empty(padded * HQ * splits * D, dtype=torch.float32, device=device)
+    part_lse = torch.empty(padded * HQ * splits, dtype=torch.float32, device=device)
 
     def engine() -> None:
         for k, v, table in layers:
-            pa.paged_attention_decode(q, k, v, lens_dev, table, d ** -0.5, splits, out=out,
+            pa.paged_attention_decode(q, k, v, lens_dev, table, D ** -0.5, splits, out=out,
                                       part_out=part_out, part_lse=part_lse)
 
     def persistent(probe: PersistentDecode) -> None:
         for k, v, table in layers:
-            probe(q, k, v, lens_dev, table, d ** -0.5, out)
+            probe(q, k, v, lens_dev, table, D ** -0.5, out)
 
     floor_probe = next(iter(probes.values()))
     sink = torch.empty(floor_probe.num_programs, dtype=torch.float32, device=device)
@@ -324,19 +323,18 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("timing needs a CUDA GPU (--check runs on CPU under TRITON_INTERPRET=1)")
     check(torch.device("cuda"))
-    hq, hkv, d = 16, 8, 128
     device = torch.device("cuda")
-    probes = {f"chunk {chunk}, {per_sm}/SM": PersistentDecode(hq, hkv, d, 256, DEFAULT_MAX_MODEL_LEN, chunk, per_sm,
+    probes = {f"chunk {chunk}, {per_sm}/SM": PersistentDecode(HQ, HKV, D, 256, DEFAULT_MAX_MODEL_LEN, chunk, per_sm,
                                                               device)
               for chunk in (256, 512, 1024) for per_sm in (3, 4)}
-    probes |= {f"adaptive, {ipp} items/program": PersistentDecode(hq, hkv, d, 256, DEFAULT_MAX_MODEL_LEN, None, 4,
+    probes |= {f"adaptive, {ipp} items/program": PersistentDecode(HQ, HKV, D, 256, DEFAULT_MAX_MODEL_LEN, None, 4,
                                                                   device, items_per_program=ipp)
                for ipp in (2, 4, 8)}
     totals = dict.fromkeys(["engine", *probes, "K/V reads alone"], 0.0)
     gen = random.Random(0)
     for step, seq_lens in w1_decode_batches(args.every):
         seconds = time_step(sorted(seq_lens, reverse=True), probes, gen)  # decodes as the runner orders them
-        layer_bytes = sum(seq_lens) * 8 * 128 * 2 * 2
+        layer_bytes = sum(seq_lens) * HKV * D * 2 * 2
         for name, t in seconds.items():
             totals[name] += t * 28 * args.every  # 28 layers; this step stands for `every` steps
         print(f"step {step:4d} batch {len(seq_lens):3d}: " + " | ".join(
