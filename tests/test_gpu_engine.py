@@ -81,12 +81,16 @@ def test_full_length_sequence_under_cuda_graphs(tiny_model_factory) -> None:
     model_dir = tiny_model_factory("Qwen3ForCausalLM")
     llm = gpu_llm(model_dir, max_model_len=64, max_num_seqs=3)
     prompts = [list(range(5, 15)), list(range(20, 23)), list(range(40, 70))]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True), use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
         tokens = list(output.outputs[0].token_ids)
         assert len(prompt) + len(tokens) == 64
         assert_greedy_matches_hf(model_dir, [prompt], [tokens], 64 - len(prompt))
+    # Released graphs (as a tensor-parallel shutdown releases them): the engine runs on, eagerly.
+    llm.llm_engine.model_runner.release_graphs()
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outputs]
 
 
 @pytest.fixture

@@ -163,6 +163,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any. The engine cannot run steps afterwards."""
         if self.workers is not None:
+            self.model_runner.release_graphs()  # before the process group goes
             self.workers.shutdown()
             self.workers = None
 

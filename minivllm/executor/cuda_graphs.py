@@ -121,3 +121,17 @@ class StepGraphs:
         """Run the graph on the inputs already in the buffers; hidden states [tokens, H]."""
         self.graphs[shape, kind].replay()
         return self.outputs[shape, kind]
+
+    def release(self) -> None:
+        """Destroy every captured graph and wait until the device has let go of them.
+
+        A graph that captured an NCCL collective holds a reference on its communicator that
+        only destroying the graph drops, and destroying the process group waits for those
+        references: without this, a tensor-parallel engine's shutdown hangs (seen on two
+        H200s; pytorch/pytorch#115388)."""
+        torch.cuda.synchronize()  # no replay still running in the pool's memory
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+        torch.cuda.synchronize()

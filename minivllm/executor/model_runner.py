@@ -137,6 +137,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._compile_and_capture()
 
+    def release_graphs(self) -> None:
+        """Free the CUDA graphs; before the process group is destroyed (StepGraphs.release).
+        Steps run eagerly afterwards."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     # --- set-up -----------------------------------------------------------------------------
 
     def _compile_and_capture(self) -> None:

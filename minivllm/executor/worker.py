@@ -90,6 +90,7 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, channel: _Ch
     # As many intra-op threads as rank 0: more would only contend for the same cores.
     torch.set_num_threads(num_threads)
     distributed.init_distributed(rank, config.tensor_parallel_size, init_method, config.device)
+    runner = None
     try:
         runner = ModelRunner(config)
         # None: rank 0 asked us to stop, or died.
@@ -97,6 +98,8 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, channel: _Ch
             method, args = message
             getattr(runner, method)(*args)
     finally:
+        if runner is not None:
+            runner.release_graphs()  # before the process group goes
         distributed.destroy_distributed()
 
 
