@@ -19,7 +19,7 @@
 #          decode_w1.py (decode attention on W1's batches), persistent_decode_probe.py (~5 min)
 #   profile  step_profile.py at batch 256 and 1, W3's decode step, W2's prefill (host vs GPU time, top kernels)
 #   tp     the tensor-parallel GPU tests; needs 2 GPUs (the nvidia-h200-x2 kind; skipped on one),
-#          so not part of "all" (> 4 min on a fresh machine: its first case alone ran > 225 s)
+#          so not part of "all" (until 0e3f9e4 its first case hung at shutdown, in destroy_process_group)
 #
 # Environment: OUT (logs; default /tmp/gpu_check), BENCH_ARGS (extra arguments for every
 # benchmark, e.g. "--enforce-eager"), STEP_TIMEOUT (seconds per step, default 480),
