@@ -19,7 +19,8 @@ flushed between calls) and, in brackets for N <= 256, do_bench_cudagraph (the ca
 captured in a CUDA graph, as a decode step replays it: no launch overhead, warm L2).
 GB/s counts the bytes an op must move (each input read once, each output written once)
 over the do_bench time. The last lines sum one decoder layer's share
-(2 add_rms_norm + qk_rope_store + silu_and_mul) at N=256.
+(2 add_rms_norm + qk_rope_store + silu_and_mul) at N=256. First, the launch floor: what a
+kernel that does nothing costs in a chain of dependent kernels in a CUDA graph.
 """
 
 import sys
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 import triton.testing
 from transformers import PretrainedConfig
 
@@ -192,9 +194,28 @@ def sweep(layer: Layer) -> None:
         fused_ops._norm_launch_config, fused_ops._qk_num_warps, fused_ops._silu_launch_config = originals
 
 
+@triton.jit
+def _one_element_kernel(x_ptr):
+    tl.store(x_ptr, tl.load(x_ptr) + 1)
+
+
+def launch_floor() -> None:
+    """What any kernel costs in a decode step's graph, however little it does: a chain of
+    dependent one-element kernels (each reads what the one before wrote)."""
+    x = torch.zeros(1, device="cuda")
+    for chain in (1, 100):
+        def run(chain: int = chain) -> None:
+            for _ in range(chain):
+                _one_element_kernel[(1,)](x)
+        run()
+        us = triton.testing.do_bench_cudagraph(run, rep=20, return_mode="median") * 1e3 / chain
+        print(f"launch floor: a one-element Triton kernel in a CUDA graph, chain of {chain}: {us:.2f} us each")
+
+
 def main() -> None:
     args, peak = kernel_benchmark_args(__doc__, "also time other launch configs")
     print(f"Qwen3-0.6B shapes: H={H}, I={INTER}, Hq={HQ}, Hkv={HKV}, D={D}, {DTYPE}")
+    launch_floor()
     with torch.inference_mode():
         layer = Layer()
         table(layer, peak)
