@@ -284,3 +284,21 @@ def test_a_failed_step_stops_the_engine(model_dir: str, monkeypatch: pytest.Monk
     # Its books no longer match the KV cache: it refuses to go on rather than risk wrong output.
     with pytest.raises(RuntimeError, match="failed in an earlier step"):
         engine.step()
+
+
+def test_start_up_warm_up_step_wraps_around_a_small_cache(model_dir: str) -> None:
+    # The GPU start-up runs the largest step once after the KV cache exists (so that its
+    # activations' memory stays cached). Its block ids wrap around the cache, and the
+    # garbage it writes there must not reach any request.
+    block_bytes = LLM(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN,
+                      block_size=BLOCK_SIZE).llm_engine.model_runner._kv_bytes_per_block()
+    llm = LLM(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
+              kv_cache_memory_bytes=9 * block_bytes)
+    runner, config = llm.llm_engine.model_runner, llm.llm_engine.config
+    step = runner._largest_step(runner.num_blocks)
+    assert sum(step.num_new_tokens) == min(config.max_num_batched_tokens, config.max_num_seqs * MAX_MODEL_LEN)
+    assert {block for seq in step.seqs for block in seq.block_table} == set(range(9))
+    runner._run_step_and_sampler(step)  # as the GPU start-up does
+    prompt = random_prompt(2 * BLOCK_SIZE + 5, seed=9)
+    out = llm.generate({"prompt_token_ids": prompt}, greedy(6), use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == hf_greedy(model_dir, prompt, 6)[0]

@@ -149,8 +149,11 @@ class ModelRunner:
     def _compile_and_capture(self) -> None:
         """Pick each linear layer's small-batch kernel, compile what steps will launch and
         capture the CUDA graphs now, at start-up: a kernel compiled inside a step stalls it
-        for about a second."""
+        for about a second. The largest step runs once first, so that the memory its
+        activations take stays in PyTorch's cache (profiling emptied it): otherwise the first
+        big prompt step of a run waits for cudaMalloc."""
         config = self.config
+        self._run_step_and_sampler(self._largest_step(self.num_blocks))
         if config.attention_backend == "triton":
             from minivllm.kernels import skinny_matmul  # needs a GPU
             for module in self.model.modules():
@@ -218,29 +221,13 @@ class ModelRunner:
         config = self.config
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        # No step holds more than max_num_seqs sequences of at most max_model_len tokens.
-        num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
-        seq_len = min(config.max_model_len, num_tokens)
-        num_seqs = -(-num_tokens // seq_len)
-        blocks_per_seq = -(-seq_len // self.block_size)
-        self._allocate_kv_cache(num_seqs * blocks_per_seq)
-        batch = ScheduledBatch()
-        for i in range(num_seqs):
-            seq = Sequence("profile", 0, [0] * seq_len, SamplingParams())
-            seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-            batch.add(seq, min(seq_len, num_tokens - i * seq_len), samples=False)
-        inputs = self._upload(self.prepare_inputs(batch))
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        # The sampler's largest working set: logits for max_num_seqs rows (on rank 0).
-        rows = hidden[:1].expand(config.max_num_seqs, -1)
-        logits = self.model.compute_logits(rows)
-        if logits is not None:
-            torch.softmax(logits.float(), dim=-1).sort(dim=-1)
+        batch = self._largest_step()
+        self._allocate_kv_cache(sum(len(seq.block_table) for seq in batch.seqs))
+        self._run_step_and_sampler(batch)
         torch.cuda.synchronize()
         # Weights and the step's working set; the throwaway cache is not part of it.
         peak = (torch.cuda.max_memory_allocated() - self._memory_baseline
                 - self.kv_cache.numel() * self.kv_cache.element_size())
-        del hidden, logits, inputs
         self._free_kv_cache()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
@@ -249,6 +236,34 @@ class ModelRunner:
         budget = min(int(total * config.gpu_memory_utilization) - peak, free - (total - free) // 100)
         logger.info("Profiled peak %.2f GiB; %.2f GiB left for the KV cache", peak / 2**30, budget / 2**30)
         return max(budget, 0)
+
+    def _largest_step(self, num_cache_blocks: int | None = None) -> ScheduledBatch:
+        """The step with the most activations: max_num_batched_tokens prompt tokens in as few
+        sequences as max_model_len allows (no step holds more than max_num_seqs sequences of
+        at most max_model_len tokens), on blocks 0, 1, ...; wrapped around a cache of
+        num_cache_blocks if given (the keys and values it writes are garbage in blocks no
+        sequence holds yet)."""
+        config = self.config
+        num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
+        seq_len = min(config.max_model_len, num_tokens)
+        blocks_per_seq = -(-seq_len // self.block_size)
+        batch = ScheduledBatch()
+        for i in range(-(-num_tokens // seq_len)):
+            seq = Sequence("largest-step", 0, [0] * seq_len, SamplingParams())
+            blocks = range(i * blocks_per_seq, (i + 1) * blocks_per_seq)
+            seq.block_table = [b % num_cache_blocks for b in blocks] if num_cache_blocks else list(blocks)
+            batch.add(seq, min(seq_len, num_tokens - i * seq_len), samples=False)
+        return batch
+
+    @torch.inference_mode()
+    def _run_step_and_sampler(self, batch: ScheduledBatch) -> None:
+        """The batch's forward pass, then the sampler's largest working set: logits for
+        max_num_seqs rows, softmaxed and sorted (on rank 0). Outputs are discarded."""
+        inputs = self._upload(self.prepare_inputs(batch))
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        logits = self.model.compute_logits(hidden[:1].expand(self.config.max_num_seqs, -1))
+        if logits is not None:
+            torch.softmax(logits.float(), dim=-1).sort(dim=-1)
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         layers = self.model.attention_layers()
