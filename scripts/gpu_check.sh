@@ -82,8 +82,9 @@ echo "steps: $GPU_CHECK" | tee -a "$OUT/env.txt"
 for step in ${GPU_CHECK//,/ }; do
     case "$step" in
         tests) run_step gpu_tests python3 -m pytest -m gpu -v --tb=short --durations=15 -p no:cacheprovider tests ;;
-        # -s shows each regime as it starts; pytest-timeout (installed there) dumps the stacks of a hang.
-        tp)    run_step tp_tests python3 -m pytest -m gpu -v -s --timeout=$((STEP_TIMEOUT - 30)) --tb=short \
+        # -s shows each regime as it starts; pytest-timeout (installed there) dumps the stacks of a hang
+        # (its thread method: a signal cannot interrupt a thread blocked in NCCL).
+        tp)    run_step tp_tests python3 -m pytest -m gpu -v -s --timeout=$((STEP_TIMEOUT - 30)) --timeout-method=thread --tb=short \
                    -p no:cacheprovider tests/test_tensor_parallel.py ;;
         w1)    bench w1 throughput.py --model qwen3-0.6b --step-breakdown ;;
         w2)    bench w2 latency.py --model qwen3-0.6b ;;
