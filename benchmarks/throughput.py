@@ -17,10 +17,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from collections import defaultdict
-from itertools import pairwise
 from collections.abc import Callable
+from itertools import pairwise
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch

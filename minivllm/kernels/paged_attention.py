@@ -501,7 +501,7 @@ def decode_num_splits(
     graph keeps a valid launch. Enough programs to fill the GPU, but no split shorter than
     DECODE_MIN_TOKENS_PER_SPLIT tokens of max_seq_len."""
     return split_count(DECODE_PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads, max_seq_len,
-                        DECODE_MIN_TOKENS_PER_SPLIT, max_splits)
+                       DECODE_MIN_TOKENS_PER_SPLIT, max_splits)
 
 
 def paged_attention_decode(
@@ -654,7 +654,7 @@ def shared_prefix_num_splits(
     """Programs along the shared prefix per (row tile, KV head): about one wave in all,
     no split shorter than PREFIX_MIN_TOKENS_PER_SPLIT tokens."""
     return split_count(PREFIX_PROGRAMS_PER_SM * num_sms, num_row_tiles * num_kv_heads, prefix_len,
-                        PREFIX_MIN_TOKENS_PER_SPLIT, max_splits)
+                       PREFIX_MIN_TOKENS_PER_SPLIT, max_splits)
 
 
 def paged_attention_decode_shared_prefix(

@@ -35,7 +35,8 @@ MAX_ROWS = 16
 # (benchmarks/skinny_matmul.py, weights from HBM) cuBLAS's heuristics pick a poor kernel for
 # Qwen3-0.6B's o projection below 8 rows (12.7 us, against this kernel's 6.1) and a good one
 # from 8 rows on (5.8 us); for the other shapes cuBLAS is as fast or faster at every size.
-# (Measured before split-K, which gives the N = 1,024 shapes 4x the programs: to re-measure.)
+# With split-K (session 8) this kernel also wins on o and down up to 16 rows (5.2 vs 5.8 and
+# 6.0 vs 7.9 us), but steps of 5-16 sequences are ~60 of W1's 1,040 (< 10 ms to gain): left at 4.
 ROUTED_ROWS = 4
 
 
