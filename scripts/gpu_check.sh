@@ -16,7 +16,7 @@
 #          Its tok/s is therefore at half W1's concurrency: not the exact W1 number.
 #   w1_8b  W1 throughput, qwen3-8b                                     (~1-2 min)
 #   kernels  attention_kernels.py, cascade_attention.py, fused_ops.py, skinny_matmul.py, sampler.py,
-#          decode_w1.py (decode attention on W1's batches), kv_read_probe.py, gemm_probe.py (~7 min)
+#          decode_w1.py (decode attention on W1's batches) (~6 min)
 #   profile  step_profile.py at batch 256 and 1, W3's decode step, W2's prefill (host vs GPU time, top kernels)
 #   tp     the tensor-parallel GPU tests; needs 2 GPUs (the nvidia-h200-x2 kind; skipped on one),
 #          so not part of "all" (until 0e3f9e4 its first case hung at shutdown, in destroy_process_group)
@@ -97,9 +97,7 @@ for step in ${GPU_CHECK//,/ }; do
             run_step fused_ops python3 benchmarks/fused_ops.py
             run_step skinny_matmul python3 benchmarks/skinny_matmul.py
             run_step sampler python3 benchmarks/sampler.py
-            run_step decode_w1 python3 benchmarks/decode_w1.py --every 64 --sweep
-            run_step kv_read_probe python3 benchmarks/kv_read_probe.py
-            run_step gemm_probe python3 benchmarks/gemm_probe.py ;;
+            run_step decode_w1 python3 benchmarks/decode_w1.py --every 64 --sweep ;;
         profile)  # where a decode step's time goes (host vs GPU, top kernels)
             run_step profile_b256 python3 benchmarks/step_profile.py --batch 256 --context 1000
             run_step profile_b1 python3 benchmarks/step_profile.py --batch 1 --context 1000
