@@ -4,4 +4,6 @@ from minivllm.llm import LLM
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
+__version__ = "0.1.0"
+
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -7,11 +7,9 @@ from tqdm import tqdm
 
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine, PromptType
+from minivllm.entrypoints.chat_utils import Conversation, chat_prompt_token_ids
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-
-Conversation = list[dict[str, str]]
-
 
 class LLM:
     def __init__(self, model: str, **kwargs: object) -> None:
@@ -56,13 +54,10 @@ class LLM:
              sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
-        tokenizer = self.get_tokenizer()
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ValueError("This model's tokenizer has no chat template: use generate() with a prompt.")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)}
-            for conversation in conversations]
+        prompts = [{"prompt_token_ids": chat_prompt_token_ids(self.get_tokenizer(), conversation,
+                                                              add_generation_prompt)}
+                   for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

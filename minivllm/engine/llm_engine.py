@@ -84,9 +84,13 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     stream: bool = False, arrival_time: float | None = None) -> None:
         """Validate and queue a request. Raises ValueError (and changes nothing) on bad input."""
+        self.add(self.make_request(request_id, prompt, params, stream, arrival_time))
+
+    def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                     stream: bool = False, arrival_time: float | None = None) -> Request:
+        """Tokenize and validate a request without touching the engine's state (so a serving
+        front can do it on its own thread). Raises ValueError on bad input."""
         params = params or SamplingParams()
-        if request_id in self.requests:
-            raise ValueError(f"Request id {request_id!r} is already in use.")
         prompt_text, prompt_token_ids = self._tokenize(prompt)
         self._validate(prompt_token_ids, params)
         params.all_stop_token_ids = set(params.stop_token_ids) | (
@@ -103,10 +107,15 @@ class LLMEngine:
             incremental = self.tokenizer is not None and (stream or bool(params.stop))
             detokenizers.append(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
                                 if incremental else None)
-        request = Request(request_id, prompt_text, prompt_token_ids, params, seqs, detokenizers,
-                          RequestMetrics(arrival_time or time.time()), stream, [0] * params.n)
-        self.requests[request_id] = request
-        for seq in seqs:
+        return Request(request_id, prompt_text, prompt_token_ids, params, seqs, detokenizers,
+                       RequestMetrics(arrival_time or time.time()), stream, [0] * params.n)
+
+    def add(self, request: Request) -> None:
+        """Queue a request built by make_request."""
+        if request.request_id in self.requests:
+            raise ValueError(f"Request id {request.request_id!r} is already in use.")
+        self.requests[request.request_id] = request
+        for seq in request.seqs:
             self.scheduler.add(seq)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -154,6 +163,7 @@ class LLMEngine:
         return bool(self.requests)
 
     def stats(self) -> dict[str, int]:
+        """Counters and queue sizes (the serving metrics and tests read them)."""
         kv = self.kv_cache_manager
         return {"prefix_cache_queries": kv.prefix_queries, "prefix_cache_hits": kv.prefix_hits,
                 "num_preemptions": self.scheduler.num_preemptions, "num_free_blocks": kv.num_free_blocks,

@@ -1,7 +1,8 @@
-"""`minivllm generate`: generate text from the command line."""
+"""`minivllm generate` (text from the command line) and `minivllm serve` (the OpenAI API)."""
 
 import argparse
 import logging
+import os
 import sys
 
 from minivllm.sampling_params import SamplingParams
@@ -52,16 +53,45 @@ def _generate(args: argparse.Namespace) -> None:
                   f"finish_reason={completion.finish_reason})\n")
 
 
+def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`vllm serve`'s flags for what minivllm has."""
+    parser = subparsers.add_parser("serve", help="serve a model over the OpenAI API (as `vllm serve`)")
+    parser.add_argument("model", help="Hugging Face model directory")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="the name(s) clients use in 'model' (default: the model path)")
+    parser.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' (default: $VLLM_API_KEY)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--disable-log-stats", action="store_true", help="no periodic stats log line")
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(subparsers)
+    _add_serve_parser(subparsers)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "generate":
             _generate(args)
+        else:
+            from minivllm.entrypoints.openai.api_server import run_server
+            run_server(args)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
