@@ -1,0 +1,98 @@
+"""A real `minivllm serve` process on 127.0.0.1 for tests, and helpers to talk to it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RemoteServer:
+    """`python -m minivllm serve MODEL ARGS` in a child process, up once /health answers."""
+
+    def __init__(self, model_dir: str, *args: str, api_key: str | None = None, startup_timeout_s: float = 120) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        command = [sys.executable, "-m", "minivllm", "serve", model_dir, "--host", "127.0.0.1",
+                   "--port", str(self.port), "--served-model-name", "tiny", "--dtype", "float32",
+                   "--disable-uvicorn-access-log", *args]
+        if api_key is not None:
+            command += ["--api-key", api_key]
+        # One intra-op thread: tiny models, and a busy CI machine (see conftest.py).
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.log_path = f"/tmp/minivllm-test-server-{self.port}.log"
+        self.log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + startup_timeout_s
+        while not self._healthy():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"The server exited with {self.process.returncode}:\n{self.output()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"The server did not come up:\n{self.output()}")
+            time.sleep(0.2)
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def client(self, **kwargs: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "unused", max_retries=0, **kwargs)
+
+    def async_client(self, **kwargs: object) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "unused", max_retries=0,
+                                  **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        """The /metrics samples without labels' detail: {'vllm:num_requests_running': 0.0, ...}."""
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        samples: dict[str, float] = {}
+        for line in text.splitlines():
+            match = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? (\S+)$", line)
+            if match:
+                samples[match.group(1)] = samples.get(match.group(1), 0.0) + float(match.group(3))
+        return samples
+
+    def wait_idle(self, timeout_s: float = 10) -> dict[str, float]:
+        """Poll /metrics until no request runs or waits and no KV block is in use."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            samples = self.metrics()
+            idle = (samples["vllm:num_requests_running"] == 0 and samples["vllm:num_requests_waiting"] == 0
+                    and samples["vllm:kv_cache_usage_perc"] == 0)
+            if idle or time.monotonic() > deadline:
+                return samples
+            time.sleep(0.05)
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()[-5000:]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30) -> int:
+        """Send sig, wait for the exit; returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+        return self.process.returncode

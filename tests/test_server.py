@@ -1,0 +1,418 @@
+"""The OpenAI-compatible server, end to end: a real `minivllm serve` process on 127.0.0.1,
+driven by the official `openai` client (and raw HTTP where the client would refuse to send
+what we test). Greedy outputs are checked against the offline engine, itself checked
+against Hugging Face here too."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from minivllm import LLM, SamplingParams
+from tests.hf_oracle import hf_greedy
+from tests.server_utils import RemoteServer
+
+PROMPTS = ["The quick brown fox", "Once upon a time there was", "A language model reads a prompt",
+           "The dog sleeps in the sun, and"]
+MAX_MODEL_LEN = 256
+NO_EOS = {"ignore_eos": True}  # vLLM's extra field, sent through the client's extra_body
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory) -> str:
+    return tiny_model_factory("Qwen3ForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: str) -> Iterator[RemoteServer]:
+    server = RemoteServer(model_dir, "--max-model-len", str(MAX_MODEL_LEN))
+    try:
+        yield server
+    finally:
+        assert server.stop(signal.SIGINT) == 0, server.output()
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir: str) -> LLM:
+    return LLM(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN)
+
+
+def greedy_text(offline: LLM, prompt: str | list[int], max_tokens: int) -> str:
+    """The offline engine's greedy text (its token ids checked against Hugging Face)."""
+    output = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                              use_tqdm=False)[0]
+    token_ids = output.prompt_token_ids
+    assert output.outputs[0].token_ids == hf_greedy(offline.llm_engine.config.model, token_ids, max_tokens)[0]
+    return output.outputs[0].text
+
+
+# --- the happy paths ---------------------------------------------------------------------------
+
+
+def test_models_version_health(server: RemoteServer) -> None:
+    models = server.client().models.list().data
+    assert [m.id for m in models] == ["tiny"] and models[0].max_model_len == MAX_MODEL_LEN
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert "version" in httpx.get(f"{server.url}/version").json()
+
+
+def test_completion_matches_offline_and_hf(server: RemoteServer, offline: LLM) -> None:
+    client = server.client()
+    for prompt in PROMPTS:
+        response = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                             extra_body=NO_EOS)
+        choice = response.choices[0]
+        assert choice.text == greedy_text(offline, prompt, 12)
+        assert choice.finish_reason == "length"
+        num_prompt = len(offline.get_tokenizer().encode(prompt))
+        assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (num_prompt, 12)
+        assert response.usage.total_tokens == num_prompt + 12
+
+
+def test_default_max_tokens_is_16(server: RemoteServer) -> None:
+    response = server.client().completions.create(model="tiny", prompt=PROMPTS[0], temperature=0,
+                                                  extra_body=NO_EOS)
+    assert response.usage.completion_tokens == 16
+
+
+def test_streamed_deltas_join_to_the_text_one_event_per_token(server: RemoteServer) -> None:
+    client = server.client()
+    kwargs = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 20, "temperature": 0, "extra_body": NO_EOS}
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    token_chunks = [c for c in chunks if c.choices]
+    assert len(token_chunks) == 20  # one event per generated token
+    assert "".join(c.choices[0].text for c in token_chunks) == whole.choices[0].text
+    assert token_chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in token_chunks[:-1])
+    usage = chunks[-1].usage  # the last chunk: no choices, the usage
+    assert not chunks[-1].choices and usage.completion_tokens == 20
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+    # The same prompt again: its full blocks come from the prefix cache, and usage says so.
+    assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens // 16) * 16
+
+
+def test_chat_streaming_and_not(server: RemoteServer, offline: LLM) -> None:
+    client = server.client()
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Tell me"}, {"type": "text", "text": "a story"}]}]
+    kwargs = {"model": "tiny", "messages": messages, "max_completion_tokens": 10, "temperature": 0,
+              "extra_body": NO_EOS}
+    whole = client.chat.completions.create(**kwargs)
+    assert whole.choices[0].message.role == "assistant"
+    template_messages = [messages[0], {"role": "user", "content": "Tell me\na story"}]
+    expected = offline.chat(template_messages, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                            use_tqdm=False)[0]
+    assert whole.choices[0].message.content == expected.outputs[0].text
+    assert whole.usage.prompt_tokens == len(expected.prompt_token_ids)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_n_samples_and_seeds(server: RemoteServer) -> None:
+    client = server.client()
+    kwargs = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 8, "temperature": 1.0, "n": 3, "seed": 11,
+              "extra_body": NO_EOS}
+    first = client.completions.create(**kwargs)
+    again = client.completions.create(**kwargs)
+    assert sorted(c.index for c in first.choices) == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]  # seeds reproduce
+    assert len({c.text for c in first.choices}) > 1  # each sample has its own stream
+    assert first.usage.completion_tokens == 24
+    streamed = ["", "", ""]
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == [c.text for c in first.choices]
+
+
+def test_stop_strings_and_stop_token_ids(server: RemoteServer, offline: LLM) -> None:
+    client = server.client()
+    text = greedy_text(offline, PROMPTS[3], 24)
+    stop = text[8:11]
+    assert stop.strip()
+    response = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=24, temperature=0,
+                                         stop=[stop], extra_body=NO_EOS)
+    choice = response.choices[0]
+    assert choice.text == text[:text.index(stop)]
+    assert (choice.finish_reason, choice.model_extra["stop_reason"]) == ("stop", stop)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt=PROMPTS[3], max_tokens=24, temperature=0, stop=[stop], stream=True, extra_body=NO_EOS))
+    assert streamed == choice.text
+    # A stop token: the third greedy token ends the text.
+    token_ids = offline.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                                 use_tqdm=False)[0].outputs[0].token_ids
+    response = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=24, temperature=0,
+                                         extra_body={**NO_EOS, "stop_token_ids": [token_ids[2]]})
+    assert response.choices[0].model_extra["stop_reason"] == token_ids[2]
+    assert response.usage.completion_tokens == 3
+
+
+def test_prompt_forms_echo_and_logprobs(server: RemoteServer, offline: LLM) -> None:
+    client = server.client()
+    tokenizer = offline.get_tokenizer()
+    ids = [tokenizer.encode(p) for p in PROMPTS[:2]]
+    by_text = client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=6, temperature=0,
+                                        extra_body=NO_EOS)
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0, extra_body=NO_EOS)
+    assert [c.index for c in by_text.choices] == [0, 1]
+    assert [c.text for c in by_text.choices] == [c.text for c in by_ids.choices] == [
+        greedy_text(offline, p, 6) for p in PROMPTS[:2]]
+    single_ids = client.completions.create(model="tiny", prompt=ids[0], max_tokens=6, temperature=0,
+                                           extra_body=NO_EOS)
+    assert single_ids.choices[0].text == by_text.choices[0].text
+    echoed = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0, echo=True,
+                                       extra_body=NO_EOS)
+    assert echoed.choices[0].text == PROMPTS[0] + by_text.choices[0].text
+    with_logprobs = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                              logprobs=2, extra_body=NO_EOS)
+    logprobs = with_logprobs.choices[0].logprobs
+    assert "".join(logprobs.tokens) == with_logprobs.choices[0].text
+    assert len(logprobs.token_logprobs) == 6 and all(lp <= 0 for lp in logprobs.token_logprobs)
+    # Greedy: the chosen token is the most likely one, so it leads its top-2.
+    for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
+        assert len(top) == 2 and max(top.values()) == pytest.approx(chosen)
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(6)]
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=3,
+                                          extra_body=NO_EOS)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(entry.top_logprobs) == 3 for entry in content)
+    assert all(entry.top_logprobs[0].logprob == pytest.approx(entry.logprob) for entry in content)
+
+
+def test_tokenize_detokenize(server: RemoteServer, offline: LLM) -> None:
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPTS[0]}).json()
+    assert tokens["tokens"] == offline.get_tokenizer().encode(PROMPTS[0])
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == MAX_MODEL_LEN
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert text == {"prompt": PROMPTS[0]}
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["count"] > 3
+
+
+def test_64_concurrent_streams(server: RemoteServer, offline: LLM) -> None:
+    expected = {p: greedy_text(offline, p, 16) for p in PROMPTS}
+
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
+        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                                 stream=True, extra_body=NO_EOS)
+        return "".join([chunk.choices[0].text async for chunk in stream])
+
+    async def run_all() -> list[str]:
+        client = server.async_client()
+        return await asyncio.gather(*(one(client, PROMPTS[i % 4]) for i in range(64)))
+
+    assert asyncio.run(run_all()) == [expected[PROMPTS[i % 4]] for i in range(64)]
+    server.wait_idle()
+
+
+def test_metrics(server: RemoteServer) -> None:
+    server.client().completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, extra_body=NO_EOS)
+    samples = server.wait_idle()
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+                 "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count"):
+        assert name in samples, name
+    assert samples["vllm:generation_tokens_total"] >= 4 and samples["vllm:request_success_total"] >= 1
+    assert samples["vllm:prefix_cache_hits_total"] > 0  # earlier tests repeated prompts
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+
+def _error(response: httpx.Response, status: int) -> str:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    return error["message"]
+
+
+def test_bad_requests_get_400_and_the_server_keeps_serving(server: RemoteServer, offline: LLM) -> None:
+    url = f"{server.url}/v1/completions"
+    good = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    expected = greedy_text(offline, PROMPTS[0], 5)
+    long_prompt = list(range(5, 5 + MAX_MODEL_LEN))
+    cases = [
+        (httpx.post(url, content=b'{"model": "tiny", "prompt": ', headers={"content-type": "application/json"}),
+         400, "JSON"),
+        (httpx.post(url, json={**good, "max_tokens": "many"}), 400, "max_tokens"),
+        (httpx.post(url, json={**good, "prompt": {"not": "a prompt"}}), 400, "prompt"),
+        (httpx.post(url, json={**good, "temperature": -1}), 400, "temperature"),
+        (httpx.post(url, json={**good, "top_p": 0}), 400, "top_p"),
+        (httpx.post(url, json={**good, "n": 0}), 400, "n must be"),
+        (httpx.post(url, json={**good, "prompt": ""}), 400, "empty"),
+        (httpx.post(url, json={**good, "prompt": []}), 400, "empty"),
+        (httpx.post(url, json={**good, "prompt": [1, 2, 10**9]}), 400, "vocabulary"),
+        (httpx.post(url, json={**good, "prompt": long_prompt}), 400, f"maximum context length is {MAX_MODEL_LEN}"),
+        (httpx.post(url, json={**good, "max_tokens": MAX_MODEL_LEN}), 400, f"{MAX_MODEL_LEN} tokens"),
+        (httpx.post(url, json={**good, "model": "gpt-4"}), 404, "gpt-4"),
+        (httpx.post(f"{server.url}/v1/chat/completions", json={"model": "tiny", "messages": []}), 400, "messages"),
+        (httpx.post(f"{server.url}/v1/chat/completions", json={"model": "tiny", "messages": [{"content": "x"}]}),
+         400, "role"),
+    ]
+    for response, status, fragment in cases:
+        message = _error(response, status)
+        assert fragment in message, (fragment, message)
+        assert httpx.post(url, json=good).json()["choices"][0]["text"] == expected
+    # The length error names the tokens asked for.
+    assert f"has {MAX_MODEL_LEN} input tokens" in _error(httpx.post(url, json={**good, "prompt": long_prompt}), 400)
+    # Unknown fields are accepted (and logged), as vLLM does.
+    assert httpx.post(url, json={**good, "not_a_field": 1}).json()["choices"][0]["text"] == expected
+    # The official client sees the same errors as exceptions.
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        server.client().completions.create(model="tiny", prompt="x", temperature=-2)
+    with pytest.raises(openai.NotFoundError):
+        server.client().completions.create(model="nope", prompt="x")
+    server.wait_idle()
+
+
+def test_bad_streaming_request_is_refused_before_the_stream_starts(server: RemoteServer) -> None:
+    # A bad request is refused before the stream starts: a plain 400, no event stream.
+    response = httpx.post(f"{server.url}/v1/completions",
+                          json={"model": "tiny", "prompt": "x", "stream": True, "temperature": -1})
+    assert response.status_code == 400 and response.headers["content-type"].startswith("application/json")
+
+
+# --- disconnects -------------------------------------------------------------------------------
+
+
+def test_disconnect_mid_stream_frees_blocks(server: RemoteServer) -> None:
+    client = server.client()
+    stream = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=200, stream=True,
+                                       extra_body=NO_EOS)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    assert server.metrics()["vllm:num_requests_running"] == 1
+    stream.close()
+    samples = server.wait_idle()
+    assert samples["vllm:kv_cache_usage_perc"] == 0 and samples["vllm:num_requests_running"] == 0
+
+
+def test_burst_with_random_disconnects_leaks_nothing(server: RemoteServer) -> None:
+    rng = random.Random(0)
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> None:
+        leave_after = rng.choice([None, 0, 1, 5])
+        stream = await client.completions.create(model="tiny", prompt=PROMPTS[i % 4] + f" {i}", max_tokens=40,
+                                                 stream=True, extra_body=NO_EOS)
+        count = 0
+        async for _ in stream:
+            count += 1
+            if leave_after is not None and count > leave_after:
+                await stream.close()
+                return
+        assert count == 40
+
+    async def run_all() -> None:
+        client = server.async_client()
+        await asyncio.gather(*(one(client, i) for i in range(40)))
+
+    asyncio.run(run_all())
+    samples = server.wait_idle()
+    assert samples["vllm:kv_cache_usage_perc"] == 0 and samples["vllm:num_requests_running"] == 0
+
+
+def test_abandoned_requests_do_not_hold_up_new_ones(server: RemoteServer) -> None:
+    """200 long non-streaming requests whose clients give up after half a second: the
+    server aborts them, and a new request is answered within 5 s."""
+
+    async def abandoned(client: httpx.AsyncClient, i: int) -> None:
+        with pytest.raises(httpx.TimeoutException):
+            await client.post("/v1/completions", json={"model": "tiny", "prompt": f"{PROMPTS[i % 4]} {i}",
+                                                       "max_tokens": 200, "ignore_eos": True})
+
+    async def run_all() -> None:
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(base_url=server.url, timeout=0.5, limits=limits) as client:
+            await asyncio.gather(*(abandoned(client, i) for i in range(200)))
+
+    asyncio.run(run_all())
+    start = time.monotonic()
+    response = server.client(timeout=5).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5,
+                                                            extra_body=NO_EOS)
+    assert response.usage.completion_tokens == 5 and time.monotonic() - start < 5
+    samples = server.wait_idle()
+    assert samples["vllm:kv_cache_usage_perc"] == 0
+    assert samples["vllm:num_requests_running"] == 0 and samples["vllm:num_requests_waiting"] == 0
+
+
+# --- API key, tensor parallelism, shutdown ----------------------------------------------------
+
+
+def test_api_key(model_dir: str) -> None:
+    server = RemoteServer(model_dir, api_key="sekrit")
+    try:
+        url = f"{server.url}/v1/completions"
+        body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+        assert "API key" in _error(httpx.post(url, json=body), 401)
+        assert "API key" in _error(httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}), 401)
+        _error(httpx.get(f"{server.url}/v1/models"), 401)
+        for open_path in ("/health", "/metrics", "/version"):
+            assert httpx.get(server.url + open_path).status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+        assert server.client().completions.create(**body).usage.completion_tokens >= 1
+    finally:
+        assert server.stop(signal.SIGTERM) == 0, server.output()
+
+
+def _children(pid: int) -> set[int]:
+    """Direct child processes of pid, whichever of its threads started them (from /proc)."""
+    children: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children.update(int(c) for c in f.read().split())
+    return children
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_tensor_parallel_server_answers_and_shuts_down(model_dir: str, offline: LLM) -> None:
+    expected = greedy_text(offline, PROMPTS[1], 8)
+    server = RemoteServer(model_dir, "--tensor-parallel-size", "2", "--max-model-len", str(MAX_MODEL_LEN))
+    workers = _children(server.process.pid)
+    try:
+        assert workers, "the TP=2 server runs a worker process"
+        response = server.client().completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                                      extra_body=NO_EOS)
+        assert response.choices[0].text == expected
+    finally:
+        assert server.stop(signal.SIGTERM) == 0, server.output()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in workers), "a tensor-parallel worker outlived the server"
+
+
+def test_sse_wire_format(server: RemoteServer) -> None:
+    """The raw stream: `data: {json}` events, a final `data: [DONE]`."""
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions",
+                      json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+                            "stream": True, "ignore_eos": True}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert len(chunks) == 1 + 3  # the role, then one per token
