@@ -122,7 +122,7 @@ class AsyncLLM:
         input (nothing is queued) and EngineDeadError once the engine has stopped."""
         if not self.is_running:
             raise EngineDeadError("The engine has stopped; restart the server.") from self.dead_error
-        self._loop = self._loop or asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()  # where this request's outputs go
         request_id = request_id or self.engine.next_request_id()
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
@@ -194,7 +194,7 @@ class AsyncLLM:
                     break
                 if engine.has_unfinished_requests() or engine.in_flight is not None:
                     outputs = engine.step()
-                    if outputs:
+                    if outputs and not self._loop.is_closed():
                         self._loop.call_soon_threadsafe(self._dispatch, outputs)
                 if self._log_stats_interval_s and time.monotonic() >= next_log:
                     self.metrics.log_stats()
@@ -202,7 +202,7 @@ class AsyncLLM:
         except BaseException as error:
             logger.exception("The engine thread stopped on an error")
             self.dead_error = error
-            if self._loop is not None:
+            if self._loop is not None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(self._fail_all, error)
         finally:
             engine.shutdown()
