@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import itertools
 import json
 import math
 import os
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,21 +59,9 @@ class RequestResult:
 
     start: float
     prompt_tokens: int
-    token_times: list[float] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # arrivals of the token events
     output_tokens: int = 0
     error: str | None = None
-
-    @property
-    def ttft(self) -> float:
-        return self.token_times[0] - self.start
-
-    @property
-    def latency(self) -> float:
-        return self.token_times[-1] - self.start
-
-    @property
-    def itl(self) -> list[float]:
-        return np.diff(self.token_times).tolist()
 
 
 # ----------------------------------------------------------------------------- workload
@@ -99,8 +89,8 @@ def random_prompts(tokenizer: Any, num_prompts: int, input_len: int, output_len:
 
 def decode_to_length(tokenizer: Any, ids: list[int], target: int,
                      rng: np.random.Generator) -> tuple[str, list[int]]:
-    """Decoded text whose re-encoding has `target` tokens: decode and re-encode, cutting or
-    padding with random ids, at most 10 rounds (vLLM's gen_prompt_decode_to_target_len)."""
+    """Text whose re-encoding has `target` tokens if 10 rounds of decode, re-encode and cut
+    or pad with random ids get there (vLLM's gen_prompt_decode_to_target_len)."""
     for attempt in range(11):
         text = tokenizer.decode(ids)
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -124,18 +114,37 @@ def arrival_times(num_prompts: int, request_rate: float, seed: int) -> np.ndarra
 
 # ------------------------------------------------------------------------------- client
 
+POOL_SIZE = 32  # requests in flight per httpx client: its pool scans all its connections per request
 
-def make_client() -> httpx.AsyncClient:
-    """One client for the whole run: no pool limit (the regime's semaphore bounds the
-    requests in flight), no timeout, $OPENAI_API_KEY as the bearer token if set."""
+
+@contextlib.asynccontextmanager
+async def open_clients(max_in_flight: int) -> AsyncIterator[list[httpx.AsyncClient]]:
+    """httpx clients for max_in_flight requests, POOL_SIZE each (with 1000 connections in one
+    pool the scans cost more CPU than the streams); no timeout, $OPENAI_API_KEY as bearer
+    token if set, and one TLS context for all (each would load the CA bundle: 30 ms)."""
     key = os.environ.get("OPENAI_API_KEY")
-    return httpx.AsyncClient(timeout=None, headers={"Authorization": f"Bearer {key}"} if key else None,
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+    options: dict[str, Any] = {"timeout": None, "verify": httpx.create_ssl_context(),
+                               "headers": {"Authorization": f"Bearer {key}"} if key else None,
+                               "limits": httpx.Limits(max_connections=None, max_keepalive_connections=None)}
+    async with contextlib.AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(httpx.AsyncClient(**options))
+               for _ in range(math.ceil(max_in_flight / POOL_SIZE))]
+
+
+async def sse_data(response: httpx.Response) -> AsyncIterator[bytes]:
+    """The payloads of the stream's `data:` lines, line by line (as bytes: aiter_lines' text
+    layers cost as much as the JSON parsing); blank separators and `:` comments skipped."""
+    rest = b""
+    async for chunk in response.aiter_bytes():
+        *lines, rest = (rest + chunk).split(b"\n")
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].strip()
 
 
 async def send_request(client: httpx.AsyncClient, url: str, model: str, prompt: Prompt) -> RequestResult:
-    """One streamed completion: the arrival time of each token event (any event with a choice,
-    its text possibly empty, as vLLM counts), and the usage chunk's counts."""
+    """One streamed completion: when each token event arrives (any event with a choice, its
+    text possibly empty, as vLLM counts them) and the usage chunk's counts."""
     payload = {"model": model, "prompt": prompt.text, "max_tokens": prompt.output_len, "temperature": 0.0,
                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     result = RequestResult(start=time.perf_counter(), prompt_tokens=prompt.prompt_len)
@@ -145,12 +154,9 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, prompt: 
                 body = (await response.aread()).decode(errors="replace")
                 result.error = f"HTTP {response.status_code}: {body}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):  # blank separators, ": ping" comments
+            async for data in sse_data(response):
+                if data == b"[DONE]":  # the stream's last line
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
                 event = json.loads(data)
                 if "error" in event:
                     result.error = f"error event: {event['error']}"
@@ -169,113 +175,108 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, prompt: 
     return result
 
 
-async def run_regime(client: httpx.AsyncClient, base_url: str, model: str, prompts: list[Prompt],
+async def run_regime(clients: list[httpx.AsyncClient], base_url: str, model: str, prompts: list[Prompt],
                      regime: Regime, seed: int = 0,
                      percentiles: tuple[float, ...] = (50, 90, 99)) -> dict[str, Any]:
-    """Send the prompts under the regime (arrival times, then at most max_concurrency in
-    flight, in order) and return summarize() of the run."""
+    """Send the prompts under the regime: each at its arrival time, then in order with at most
+    max_concurrency in flight, request i on client i mod the number of clients the regime
+    needs. Returns summarize() of the run and the share of it this process spent on the CPU."""
     url = base_url.rstrip("/") + "/v1/completions"
-    in_flight = asyncio.Semaphore(regime.max_concurrency or len(prompts))
-    start = time.perf_counter()
+    slots = regime.max_concurrency or len(prompts)
+    in_flight = asyncio.Semaphore(slots)
+    clients = clients[:math.ceil(slots / POOL_SIZE)]
+    start, cpu_start = time.perf_counter(), time.process_time()
 
-    async def arrive(prompt: Prompt, at: float) -> RequestResult:
+    async def arrive(i: int, prompt: Prompt, at: float) -> RequestResult:
         await asyncio.sleep(start + at - time.perf_counter())
         async with in_flight:
-            return await send_request(client, url, model, prompt)
+            return await send_request(clients[i % len(clients)], url, model, prompt)
 
     arrivals = arrival_times(len(prompts), regime.request_rate, seed)
-    results = await asyncio.gather(*(arrive(p, t) for p, t in zip(prompts, arrivals)))
-    return summarize(results, time.perf_counter() - start, percentiles)
+    results = await asyncio.gather(*(arrive(i, p, t) for i, (p, t) in enumerate(zip(prompts, arrivals))))
+    duration = time.perf_counter() - start
+    cpu_busy = (time.process_time() - cpu_start) / duration
+    return summarize(results, duration, percentiles) | {"client_cpu_busy": cpu_busy}
 
 
 # ------------------------------------------------------------------------------ metrics
 
 
 def summarize(results: list[RequestResult], duration: float, percentiles: tuple[float, ...]) -> dict[str, Any]:
-    """vLLM's calculate_metrics: counts and throughputs over the run's wall time, and per
-    metric mean / median / std / percentiles in ms (0 where there are no values)."""
+    """vLLM's calculate_metrics over the successful requests: counts, throughputs over the
+    run's wall time, the peaks, and per metric mean / median / std / percentiles in ms
+    (0 where there are no values), with the first 10 errors."""
     ok = [r for r in results if r.error is None]
     input_tokens = sum(r.prompt_tokens for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
+    first_send = min((r.start for r in ok), default=0.0)
+    per_second = np.bincount([int(t - first_send) for r in ok for t in r.token_times], minlength=1)
     edges = sorted([(r.start, 1) for r in ok] + [(r.token_times[-1], -1) for r in ok])  # ends first on ties
     metrics: dict[str, Any] = {
         "completed": len(ok), "failed": len(results) - len(ok), "duration": duration,
         "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
         "request_throughput": len(ok) / duration, "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
-        "max_output_tokens_per_s": peak_tokens_per_second(ok),
-        "max_concurrent_requests": max(itertools.accumulate(d for _, d in edges), default=0),
+        "max_output_tokens_per_s": float(per_second.max()),  # token events in a whole second
+        "max_concurrent_requests": max(itertools.accumulate(step for _, step in edges), default=0),
     }
-    samples = {"ttft": [r.ttft for r in ok],
-               "tpot": [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
-               "itl": [gap for r in ok for gap in r.itl],
-               "e2el": [r.latency for r in ok]}
+    samples = {"ttft": [r.token_times[0] - r.start for r in ok],
+               "tpot": [(r.token_times[-1] - r.token_times[0]) / (r.output_tokens - 1)
+                        for r in ok if r.output_tokens > 1],
+               "itl": [gap for r in ok for gap in np.diff(r.token_times)],
+               "e2el": [r.token_times[-1] - r.start for r in ok]}
     for name, values in samples.items():
         ms = np.array(values or [0.0]) * 1000
         metrics |= {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
                     f"std_{name}_ms": float(ms.std())}
         metrics |= {f"p{p:g}_{name}_ms": float(np.percentile(ms, p)) for p in percentiles}
-    metrics["errors"] = [r.error for r in results if r.error is not None][:10]
-    return metrics
-
-
-def peak_tokens_per_second(ok: list[RequestResult]) -> float:
-    """The most token events in one whole second after the first send (vLLM's buckets)."""
-    if not ok:
-        return 0.0
-    first = min(r.start for r in ok)
-    return float(np.bincount([int(t - first) for r in ok for t in r.token_times]).max())
+    return metrics | {"errors": [r.error for r in results if r.error is not None][:10]}
 
 
 TITLES = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
           "itl": ("ITL", "Inter-token Latency"), "e2el": ("E2EL", "End-to-end Latency")}
 
 
-def print_table(metrics: dict[str, Any], regime: Regime, percentiles: tuple[float, ...]) -> None:
-    """The result block in `vllm bench serve`'s layout."""
-    def row(label: str, value: Any) -> None:
+def print_rows(rows: list[tuple[str, float | int]]) -> None:
+    for label, value in rows:
         print(f"{label:<40} {value:<10.2f}" if isinstance(value, float) else f"{label:<40} {value:<10}")
 
+
+def print_table(metrics: dict[str, Any], regime: Regime, percentiles: tuple[float, ...]) -> None:
+    """The first errors, then the result block in `vllm bench serve`'s layout."""
     for i, error in enumerate(metrics["errors"]):
         print(f"Error {i}: {error}")
     print(" Serving Benchmark Result ".center(50, "="))
-    row("Successful requests:", metrics["completed"])
-    row("Failed requests:", metrics["failed"])
-    if regime.max_concurrency is not None:
-        row("Maximum request concurrency:", regime.max_concurrency)
-    if not math.isinf(regime.request_rate):
-        row("Request rate configured (RPS):", float(regime.request_rate))
-    row("Benchmark duration (s):", metrics["duration"])
-    row("Total input tokens:", metrics["total_input_tokens"])
-    row("Total generated tokens:", metrics["total_output_tokens"])
-    row("Request throughput (req/s):", metrics["request_throughput"])
-    row("Output token throughput (tok/s):", metrics["output_throughput"])
-    row("Peak output token throughput (tok/s):", metrics["max_output_tokens_per_s"])
-    row("Peak concurrent requests:", float(metrics["max_concurrent_requests"]))
-    row("Total token throughput (tok/s):", metrics["total_token_throughput"])
+    print_rows([("Successful requests:", metrics["completed"]), ("Failed requests:", metrics["failed"])]
+               + ([("Maximum request concurrency:", regime.max_concurrency)] if regime.max_concurrency else [])
+               + ([("Request rate configured (RPS):", regime.request_rate)] if math.isfinite(regime.request_rate)
+                  else [])
+               + [("Benchmark duration (s):", metrics["duration"]),
+                  ("Total input tokens:", metrics["total_input_tokens"]),
+                  ("Total generated tokens:", metrics["total_output_tokens"]),
+                  ("Request throughput (req/s):", metrics["request_throughput"]),
+                  ("Output token throughput (tok/s):", metrics["output_throughput"]),
+                  ("Peak output token throughput (tok/s):", metrics["max_output_tokens_per_s"]),
+                  ("Peak concurrent requests:", float(metrics["max_concurrent_requests"])),
+                  ("Total token throughput (tok/s):", metrics["total_token_throughput"])])
     for name, (short, title) in TITLES.items():
         print(title.center(50, "-"))
-        row(f"Mean {short} (ms):", metrics[f"mean_{name}_ms"])
-        row(f"Median {short} (ms):", metrics[f"median_{name}_ms"])
-        for p in percentiles:
-            row(f"P{p:g} {short} (ms):", metrics[f"p{p:g}_{name}_ms"])
-    print("=" * 50, flush=True)
+        print_rows([(f"Mean {short} (ms):", metrics[f"mean_{name}_ms"]),
+                    (f"Median {short} (ms):", metrics[f"median_{name}_ms"])]
+                   + [(f"P{p:g} {short} (ms):", metrics[f"p{p:g}_{name}_ms"]) for p in percentiles])
+    print("=" * 50)
+    if metrics["client_cpu_busy"] > 0.7:
+        print(f"note: this client was on the CPU {metrics['client_cpu_busy']:.0%} of the run; "
+              "its own delays are likely part of TTFT and ITL")
 
 
 # --------------------------------------------------------------------------------- main
 
 
-def describe(regime: Regime) -> str:
-    """The regime as vllm bench serve's flags."""
-    flags = [f"--max-concurrency {regime.max_concurrency}"] if regime.max_concurrency else []
-    if not flags or not math.isinf(regime.request_rate):
-        flags.append(f"--request-rate {regime.request_rate:g}")
-    return " ".join(flags + [f"--num-prompts {regime.num_prompts}"])
-
-
 def append_json(path: str, args: argparse.Namespace, env: dict[str, Any], regime: Regime,
                 metrics: dict[str, Any]) -> None:
-    """One JSON line: the environment, the arguments, the regime and every figure."""
+    """One JSON line: the environment, the arguments, the regime and every figure
+    (an infinite rate as "inf", as vLLM writes it)."""
     def plain(value: Any) -> Any:
         return "inf" if value == math.inf else value
 
@@ -286,46 +287,30 @@ def append_json(path: str, args: argparse.Namespace, env: dict[str, Any], regime
         f.write(json.dumps(line) + "\n")
 
 
-SUMMARY_HEADER = ("| regime | req/s | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
-                  "| ITL p50 / p99 (ms) | failed |\n|---|---|---|---|---|---|---|\n")
-
-
-def summary_row(regime: Regime, metrics: dict[str, Any]) -> str:
-    """The regime's row of BENCH.md's W4 table (nan where p50 / p99 were not asked for)."""
-    def p50_p99(name: str) -> str:
-        return " / ".join(f"{metrics.get(f'p{p}_{name}_ms', math.nan):.2f}" for p in (50, 99))
-
-    return (f"| `{describe(regime)}` | {metrics['request_throughput']:.2f} | {metrics['output_throughput']:,.0f} | "
-            f"{p50_p99('ttft')} | {p50_p99('tpot')} | {p50_p99('itl')} | {metrics['failed']} |")
-
-
 async def benchmark(args: argparse.Namespace, regimes: list[Regime], num_warmups: int) -> None:
-    """Each regime in turn on its own prompts (as separate `vllm bench serve` calls would draw
+    """Each regime in turn on its own prompts (as separate `vllm bench serve` calls draw
     them); the warm-ups repeat the first regime's first prompt before it, under its limit."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     env = environment()
     percentiles = tuple(float(p) for p in args.metric_percentiles.split(","))
-    rows = []
-    async with make_client() as client:
+    async with open_clients(max(r.max_concurrency or r.num_prompts for r in regimes)) as clients:
         for i, regime in enumerate(regimes):
             prompts = random_prompts(tokenizer, regime.num_prompts, args.random_input_len,
                                      args.random_output_len, args.random_range_ratio, args.seed)
             if i == 0 and num_warmups:
-                warm = await run_regime(client, args.base_url, args.model, prompts[:1] * num_warmups,
+                warm = await run_regime(clients, args.base_url, args.model, prompts[:1] * num_warmups,
                                         Regime(num_warmups, regime.max_concurrency, math.inf))
                 if warm["failed"]:
                     raise SystemExit(f"warm-up failed: {warm['errors'][0]}")
-            print(f"== W4 [{args.label}] {describe(regime)}", flush=True)
+            print(f"== W4 [{args.label}] {regime}", flush=True)
             gc.collect()
-            gc.freeze()  # as vLLM's client: no collector pauses over the long-lived objects
-            metrics = await run_regime(client, args.base_url, args.model, prompts, regime, args.seed, percentiles)
+            gc.freeze()  # as vLLM's client: no collector passes over the long-lived objects
+            metrics = await run_regime(clients, args.base_url, args.model, prompts, regime, args.seed, percentiles)
             print_table(metrics, regime, percentiles)
             if args.json_out:
                 append_json(args.json_out, args, env, regime, metrics)
-            rows.append(summary_row(regime, metrics))
-    print(SUMMARY_HEADER + "\n".join(rows))
 
 
 def main() -> None:
@@ -333,19 +318,21 @@ def main() -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", required=True, help="the served model name")
     parser.add_argument("--tokenizer", required=True, help="tokenizer directory (draws the prompts)")
-    parser.add_argument("--label", default="server", help="what serves (minivllm, vllm); goes to the JSON line")
+    parser.add_argument("--label", default="server", help="what serves (minivllm, vllm): the JSON line's backend")
     parser.add_argument("--random-input-len", type=int, default=1024)
     parser.add_argument("--random-output-len", type=int, default=128)
     parser.add_argument("--random-range-ratio", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-prompts", type=int, default=1000)
-    parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
-    parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: any)")
+    parser.add_argument("--request-rate", type=float, default=math.inf,
+                        help="Poisson arrivals per second (default inf: all at once)")
     parser.add_argument("--num-warmups", type=int, default=None,
                         help=f"warm-up requests before the (first) regime; default 0, {W4_WARMUPS} with --w4")
     parser.add_argument("--metric-percentiles", default="50,90,99")
     parser.add_argument("--w4", action="store_true",
-                        help="BENCH.md's three W4 regimes in turn (replaces --num-prompts/--max-concurrency/--request-rate)")
+                        help="BENCH.md's three W4 regimes in turn, instead of --num-prompts, --max-concurrency "
+                             "and --request-rate")
     parser.add_argument("--json-out", default=None, help="append one JSON line per regime to this file")
     args = parser.parse_args()
 
