@@ -52,33 +52,40 @@ class RequestStream:
 
     def __init__(self, engine: "AsyncLLM", request: Request) -> None:
         self.request_id = request.request_id
-        self.num_prompt_tokens = len(request.prompt_token_ids)
         self._engine = engine
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._items: list[RequestOutput | BaseException] = []
+        self._ready = asyncio.Event()
         self.finished = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        self._ready.set()
 
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+    async def batches(self) -> AsyncIterator[list[RequestOutput]]:
+        """Outputs in lists of all that arrived since the last one: a consumer that fell
+        behind catches up in one go (the server writes such a list in one send)."""
         try:
             while not self.finished:
-                item = await self._queue.get()
-                if isinstance(item, BaseException):
-                    raise EngineDeadError("The engine stopped while serving this request.") from item
-                self.finished = item.finished
-                yield item
+                await self._ready.wait()
+                items, self._items = self._items, []
+                self._ready.clear()
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise EngineDeadError("The engine stopped while serving this request.") from item
+                self.finished = items[-1].finished
+                yield items
         finally:
-            if not self.finished:
-                self._engine.abort(self.request_id)
+            await self.aclose()
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        async for batch in self.batches():
+            for output in batch:
+                yield output
 
     async def aclose(self) -> None:
         if not self.finished:
-            self._engine.abort(self.request_id)
             self.finished = True
+            self._engine.abort(self.request_id)
 
 
 class AsyncLLM:

@@ -206,40 +206,52 @@ class _Response:
         self.created = int(time.time())
         self.usage = _Usage()
 
-    async def deltas(self, streams: list[RequestStream]) -> AsyncIterator[_Delta]:
-        """Every choice's deltas, in arrival order. Closing this aborts what is unfinished."""
+    async def deltas(self, streams: list[RequestStream]) -> AsyncIterator[list[_Delta]]:
+        """Every choice's deltas, a list per batch of engine outputs (see RequestStream.batches).
+        Closing this aborts what is unfinished."""
         finished: set[int] = set()
-        async for prompt_index, output in _merge(streams):
-            if output.finished:  # a prompt's cached-token count is final once it finishes
-                self.usage.prompt_tokens += len(output.prompt_token_ids)
-                self.usage.cached_tokens += output.num_cached_tokens
-            for completion in output.outputs:
-                index = prompt_index * self.n + completion.index
-                if index in finished or not (completion.token_ids or completion.finish_reason):
-                    continue
-                if completion.finish_reason is not None:
-                    finished.add(index)
-                self.usage.completion_tokens += len(completion.token_ids)
-                yield _Delta(index, completion.text, completion.token_ids, completion.logprobs,
-                             completion.finish_reason, completion.stop_reason)
+        async for prompt_index, outputs in _merge(streams):
+            deltas = []
+            for output in outputs:
+                if output.finished:  # a prompt's cached-token count is final once it finishes
+                    self.usage.prompt_tokens += len(output.prompt_token_ids)
+                    self.usage.cached_tokens += output.num_cached_tokens
+                for completion in output.outputs:
+                    index = prompt_index * self.n + completion.index
+                    if index in finished or not (completion.token_ids or completion.finish_reason):
+                        continue
+                    if completion.finish_reason is not None:
+                        finished.add(index)
+                    self.usage.completion_tokens += len(completion.token_ids)
+                    deltas.append(_Delta(index, completion.text, completion.token_ids, completion.logprobs,
+                                         completion.finish_reason, completion.stop_reason))
+            yield deltas
 
     async def gather(self, streams: list[RequestStream]) -> Json:
         choices = [_Choice() for _ in range(len(streams) * self.n)]
-        async for delta in self.deltas(streams):
-            choices[delta.index].add(delta)
+        async for deltas in self.deltas(streams):
+            for delta in deltas:
+                choices[delta.index].add(delta)
         return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
                 "choices": [self.final_choice(i, choice) for i, choice in enumerate(choices)],
                 "usage": self.usage.as_json()}
 
     async def stream(self, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
-        """SSE events: one per generated token; an error after the start arrives as an error
-        event; then the usage chunk (if asked) and [DONE]."""
-        usage = {"usage": None} if include_usage else {}
+        """SSE events: one per generated token (those that arrived together written at once);
+        an error after the start arrives as an error event; then the usage chunk (if asked)
+        and [DONE]."""
+        # Every chunk is this prefix, its choice and this suffix: only the choice is encoded
+        # per event.
+        prefix = (f'data: {{"id": "{self.id}", "object": "{self.chunk_object_name}", '
+                  f'"created": {self.created}, "model": {json.dumps(self.model)}, "choices": [')
+        suffix = '], "usage": null}\n\n' if include_usage else "]}\n\n"
         try:
-            for choice in self.opening_choices(len(streams) * self.n):
-                yield self._event(choice, usage)
-            async for delta in self.deltas(streams):
-                yield self._event(self.chunk_choice(delta), usage)
+            opening = self.opening_choices(len(streams) * self.n)
+            if opening:
+                yield "".join(prefix + json.dumps(choice) + suffix for choice in opening)
+            async for deltas in self.deltas(streams):
+                if deltas:
+                    yield "".join(prefix + json.dumps(self.chunk_choice(delta)) + suffix for delta in deltas)
             if include_usage:
                 yield _sse({"id": self.id, "object": self.chunk_object_name, "created": self.created,
                             "model": self.model, "choices": [], "usage": self.usage.as_json()})
@@ -247,10 +259,6 @@ class _Response:
             status = error.status if isinstance(error, OpenAIError) else 500
             yield _sse(OpenAIError(str(error), status).body())
         yield "data: [DONE]\n\n"
-
-    def _event(self, choice: Json, usage: Json) -> str:
-        return _sse({"id": self.id, "object": self.chunk_object_name, "created": self.created,
-                     "model": self.model, "choices": [choice], **usage})
 
     def opening_choices(self, num_choices: int) -> list[Json]:
         return []
@@ -358,22 +366,22 @@ def _completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]
 
 
 def _sse(payload: Json) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"
 
 
-async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from several request streams, in arrival order. Leaving early
-    (an error, a disconnect) aborts every unfinished stream."""
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, list[RequestOutput]]]:
+    """(prompt index, a batch of its outputs) from several request streams, in arrival order.
+    Leaving early (an error, a disconnect) aborts every unfinished stream."""
     if len(streams) == 1:
-        async for output in streams[0]:
-            yield 0, output
+        async for batch in streams[0].batches():
+            yield 0, batch
         return
-    merged: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+    merged: asyncio.Queue[tuple[int, list[RequestOutput] | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream) -> None:
         try:
-            async for output in stream:
-                merged.put_nowait((index, output))
+            async for batch in stream.batches():
+                merged.put_nowait((index, batch))
             merged.put_nowait((index, None))
         except Exception as error:  # noqa: BLE001 (re-raised by the consumer)
             merged.put_nowait((index, error))
