@@ -371,13 +371,31 @@ def test_api_key(model_dir: str) -> None:
         assert server.stop(signal.SIGTERM) == 0, server.output()
 
 
-def _children(pid: int) -> set[int]:
-    """Direct child processes of pid, whichever of its threads started them (from /proc)."""
-    children: set[int] = set()
+def _descendants(pid: int) -> set[int]:
+    """Every process below pid, whichever thread started it (from /proc)."""
+    found: set[int] = set()
     for task in os.listdir(f"/proc/{pid}/task"):
         with open(f"/proc/{pid}/task/{task}/children") as f:
-            children.update(int(c) for c in f.read().split())
-    return children
+            for child in map(int, f.read().split()):
+                found |= {child} | _descendants(child)
+    return found
+
+
+def _engine_pid(server_pid: int) -> int:
+    """The engine core process (the server's other child is multiprocessing's resource tracker)."""
+    (pid,) = [child for child in _descendants(server_pid) if _cmdline(child).endswith("--multiprocessing-fork")
+              and _parent(child) == server_pid]
+    return pid
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline") as f:
+        return f.read().replace("\0", " ").strip()
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def _alive(pid: int) -> bool:
@@ -391,18 +409,41 @@ def _alive(pid: int) -> bool:
 def test_tensor_parallel_server_answers_and_shuts_down(model_dir: str, offline: LLM) -> None:
     expected = greedy_text(offline, PROMPTS[1], 8)
     server = RemoteServer(model_dir, "--tensor-parallel-size", "2", "--max-model-len", str(MAX_MODEL_LEN))
-    workers = _children(server.process.pid)
+    processes = _descendants(server.process.pid)
     try:
-        assert workers, "the TP=2 server runs a worker process"
+        assert len(processes) >= 3, "the engine process and its tensor-parallel worker (and a resource tracker)"
         response = server.client().completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=8, temperature=0,
                                                       extra_body=NO_EOS)
         assert response.choices[0].text == expected
     finally:
         assert server.stop(signal.SIGTERM) == 0, server.output()
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+    while any(_alive(pid) for pid in processes) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(pid) for pid in workers), "a tensor-parallel worker outlived the server"
+    assert not any(_alive(pid) for pid in processes), "a process outlived the server"
+
+
+def test_engine_death_mid_stream_is_an_error_event_then_done(model_dir: str) -> None:
+    server = RemoteServer(model_dir)
+    try:
+        engine_pid = _engine_pid(server.process.pid)
+        events = []
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 1000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line:
+                    events.append(line)
+                if len(events) == 3:
+                    os.kill(engine_pid, signal.SIGKILL)
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert error["code"] == 500 and "engine stopped" in error["message"]
+        assert httpx.get(f"{server.url}/health").status_code == 503
+        refused = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "Hi"})
+        assert refused.status_code == 500 and "restart" in refused.json()["error"]["message"]
+    finally:
+        server.stop(signal.SIGTERM)
 
 
 def test_sse_wire_format(server: RemoteServer) -> None:

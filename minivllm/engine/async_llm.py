@@ -1,57 +1,61 @@
-"""AsyncLLM: the engine on a background thread; each request an async stream of outputs.
+"""AsyncLLM: the engine in a process of its own; each request an async stream of outputs.
 
-One thread owns the LLMEngine (it builds it, so every CUDA call, graph and stream lives on
-that thread) and runs its step loop, which keeps the overlap of one step's host work with
-the next step's GPU work. The asyncio side tokenizes and validates requests itself (bad
-input raises before anything is queued), hands them to the engine thread through a queue,
-and receives each step's outputs in one callback on its event loop. Outputs are deltas:
-each carries only the tokens and text that are new since the previous one.
+The engine core process owns the LLMEngine and runs its step loop, which keeps the overlap
+of one step's host work with the next step's GPU work; no HTTP handling, JSON or
+tokenization competes with it for a Python interpreter lock. This (API) process tokenizes
+and validates requests (bad input raises before anything is queued), sends them down a
+pipe, and gets each step's outputs back through another, read by a thread that hands them
+to the event loop in one callback per step. Outputs are deltas: each carries only the
+tokens and text that are new since the previous one.
+
+Messages, front to core: ("add", request_id, prompt_text, prompt_token_ids, params,
+arrival_time), ("abort", request_id), None (stop). Core to front: ("ready", stats),
+("step", outputs, stats), ("dead", error), ("stopped", None).
 """
 
 import asyncio
 import logging
-import queue
+import multiprocessing as mp
+import pickle
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from minivllm.config import EngineConfig
-from minivllm.engine.llm_engine import LLMEngine, PromptType, Request
+from minivllm.engine.input_processor import InputProcessor, PromptType
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.metrics import EngineStats, ServingMetrics
-from minivllm.outputs import RequestOutput
+from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# How often an idle engine core checks that the front is still alive.
+_IDLE_POLL_S = 1.0
+_STOP_TIMEOUT_S = 30.0
+
+# A RequestOutput on the wire, without the prompt (the front has it; resending 1,000 prompt
+# token ids with every delta would cost more than the delta).
+_WireOutput = tuple[str, list[CompletionOutput], bool, RequestMetrics, int]
+
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped on an error; no request can be served any more."""
-
-
-@dataclass
-class _Add:
-    request: Request
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-class _Stop:
-    pass
-
-
-_Command = _Add | _Abort | _Stop
+    """The engine stopped on an error; no request can be served any more."""
 
 
 class RequestStream:
     """One request's outputs, as an async iterator. Leaving it before the request finished
     (an exception, a cancelled task, `aclose()`) aborts the request."""
 
-    def __init__(self, engine: "AsyncLLM", request: Request) -> None:
-        self.request_id = request.request_id
+    def __init__(self, engine: "AsyncLLM", request_id: str, prompt: str | None, prompt_token_ids: list[int]) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
         self._engine = engine
         self._items: list[RequestOutput | BaseException] = []
         self._ready = asyncio.Event()
@@ -91,53 +95,69 @@ class RequestStream:
 class AsyncLLM:
     def __init__(self, config: EngineConfig, model_name: str | None = None,
                  log_stats_interval_s: float | None = 10.0) -> None:
-        """Build the engine on its own thread; returns once it is ready (or raises what
-        stopped it from starting). model_name labels the metrics (default: the model path);
-        log_stats_interval_s: seconds between the periodic stats log lines (None: no log)."""
+        """Start the engine core process; returns once it is ready, or raises what stopped
+        it. model_name labels the metrics (default: the model path); log_stats_interval_s:
+        seconds between the periodic stats log lines (None: no log)."""
         self.config = config
+        self.tokenizer: PreTrainedTokenizerBase | None = (
+            None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(config.model))
+        self.input_processor = InputProcessor(config, self.tokenizer)
         self.metrics = ServingMetrics(model_name or config.model, self.engine_stats)
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self.dead_error: BaseException | None = None
+        self._log_stats_interval_s = log_stats_interval_s
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._log_stats_interval_s = log_stats_interval_s
-        self.dead_error: BaseException | None = None
-        self._engine: LLMEngine | None = None
-        self._startup_error: BaseException | None = None
-        ready = threading.Event()
-        self._thread = threading.Thread(target=self._engine_thread, args=(ready,), name="minivllm-engine",
-                                        daemon=True)
-        self._thread.start()
-        ready.wait()
-        if self._startup_error is not None:
-            raise self._startup_error
+        self._stats: EngineStats = {}
+        self._request_counter = 0
+        ctx = mp.get_context("spawn")  # forking a process that may have touched CUDA is unsafe
+        core_commands, self._commands = ctx.Pipe(duplex=False)
+        self._results, core_results = ctx.Pipe(duplex=False)
+        # Not a daemon: the core starts tensor-parallel workers of its own.
+        self.engine_process = ctx.Process(target=_engine_core, name="minivllm-engine",
+                                          args=(config, core_commands, core_results, torch.get_num_threads()))
+        self.engine_process.start()
+        core_commands.close()
+        core_results.close()
+        try:
+            kind, payload = self._results.recv()
+        except EOFError:
+            kind, payload = "dead", RuntimeError(f"The engine process exited (code {self.engine_process.exitcode}).")
+        if kind == "dead":
+            self.engine_process.join()
+            raise payload
+        self._stats = payload
+        self._stopping = False
+        self._reader = threading.Thread(target=self._read_results, name="minivllm-results", daemon=True)
+        self._reader.start()
 
-    # --- the asyncio side -------------------------------------------------------------------
-
-    @property
-    def engine(self) -> LLMEngine:
-        """The engine; read its config and tokenizer freely, its state only as a snapshot."""
-        assert self._engine is not None
-        return self._engine
+    # --- requests (call from the event loop) ------------------------------------------------
 
     @property
     def is_running(self) -> bool:
-        return self.dead_error is None and self._thread.is_alive()
+        return self.dead_error is None and self.engine_process.is_alive()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.input_processor.vocab_size
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> RequestStream:
-        """Validate and queue a request; call from the event loop. Raises ValueError on bad
-        input (nothing is queued) and EngineDeadError once the engine has stopped."""
+        """Validate and queue a request. Raises ValueError on bad input (nothing is queued)
+        and EngineDeadError once the engine has stopped."""
         if not self.is_running:
             raise EngineDeadError("The engine has stopped; restart the server.") from self.dead_error
-        self._loop = asyncio.get_running_loop()  # where this request's outputs go
-        request_id = request_id or self.engine.next_request_id()
+        params = params or SamplingParams()
+        if request_id is None:
+            self._request_counter += 1
+            request_id = str(self._request_counter)
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        request = self.engine.make_request(request_id, prompt, params, stream=True, arrival_time=arrival_time)
-        stream = RequestStream(self, request)
+        prompt_text, prompt_token_ids = self.input_processor.process(prompt, params)
+        self._loop = asyncio.get_running_loop()  # where outputs go
+        stream = RequestStream(self, request_id, prompt_text, prompt_token_ids)
         self._streams[request_id] = stream
-        self.metrics.on_request_added(request)
-        self._commands.put(_Add(request))
+        self.metrics.on_request_added(request_id)
+        self._commands.send(("add", request_id, prompt_text, prompt_token_ids, params, arrival_time or time.time()))
         return stream
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
@@ -147,33 +167,42 @@ class AsyncLLM:
             yield output
 
     def abort(self, request_id: str) -> None:
-        """Stop a request and free its blocks (at the engine's next step boundary)."""
+        """Stop a request; the engine frees its blocks at its next step boundary."""
         if self._streams.pop(request_id, None) is not None:
             self.metrics.on_request_aborted(request_id)
-            self._commands.put(_Abort(request_id))
+            if self.is_running:
+                self._commands.send(("abort", request_id))
 
     def engine_stats(self) -> EngineStats:
-        """A snapshot of the engine's counters (read from another thread: each value is
-        consistent, the set as a whole may straddle a step)."""
-        return self.engine.stats()
+        """The engine's counters as of its latest step (or the latest change after one)."""
+        return self._stats
 
     def shutdown(self) -> None:
-        """Stop the engine thread (and tensor-parallel workers); unfinished requests end
-        with EngineDeadError."""
-        if self._thread.is_alive():
-            self._commands.put(_Stop())
-            self._thread.join()
+        """Stop the engine process (and its tensor-parallel workers)."""
+        self._stopping = True
+        if self.engine_process.is_alive():
+            try:
+                self._commands.send(None)
+            except OSError:
+                pass  # it is going anyway
+            self.engine_process.join(_STOP_TIMEOUT_S)
+            if self.engine_process.is_alive():
+                self.engine_process.terminate()
+                self.engine_process.join()
+        self._reader.join()
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[_WireOutput]) -> None:
         """On the event loop: route one step's outputs to their streams."""
         now = time.time()
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
+        for request_id, completions, finished, metrics, num_cached_tokens in outputs:
+            stream = self._streams.get(request_id)
             if stream is None:  # aborted meanwhile
                 continue
+            output = RequestOutput(request_id, stream.prompt, stream.prompt_token_ids, completions, finished,
+                                   metrics, num_cached_tokens)
             self.metrics.on_output(output, now)
-            if output.finished:
-                del self._streams[output.request_id]
+            if finished:
+                del self._streams[request_id]
             stream.put(output)
 
     def _fail_all(self, error: BaseException) -> None:
@@ -182,51 +211,104 @@ class AsyncLLM:
             stream.put(error)
         self._streams.clear()
 
-    # --- the engine thread ------------------------------------------------------------------
+    # --- the results thread -----------------------------------------------------------------
 
-    def _engine_thread(self, ready: threading.Event) -> None:
-        try:
-            self._engine = LLMEngine(self.config)
-        except BaseException as error:  # noqa: BLE001 (re-raised by __init__)
-            self._startup_error = error
-            ready.set()
-            return
-        ready.set()
-        engine = self._engine
+    def _read_results(self) -> None:
+        """Hand each step's outputs to the event loop; log stats periodically; notice the
+        core's death."""
         next_log = time.monotonic() + (self._log_stats_interval_s or 0)
-        try:
-            while True:
-                busy = engine.has_unfinished_requests() or engine.in_flight is not None
-                if not self._apply_commands(block=not busy):
-                    break
-                if engine.has_unfinished_requests() or engine.in_flight is not None:
-                    outputs = engine.step()
-                    if outputs and not self._loop.is_closed():
-                        self._loop.call_soon_threadsafe(self._dispatch, outputs)
-                if self._log_stats_interval_s and time.monotonic() >= next_log:
-                    self.metrics.log_stats()
-                    next_log = time.monotonic() + self._log_stats_interval_s
-        except BaseException as error:
-            logger.exception("The engine thread stopped on an error")
-            self.dead_error = error
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._fail_all, error)
-        finally:
-            engine.shutdown()
-
-    def _apply_commands(self, block: bool) -> bool:
-        """Apply queued adds and aborts (waiting for one if block); False on stop."""
-        engine = self._engine
         while True:
+            timeout = max(next_log - time.monotonic(), 0) if self._log_stats_interval_s else None
             try:
-                # An idle thread wakes up for the next stats log line.
-                command = self._commands.get(block=block, timeout=self._log_stats_interval_s if block else None)
-            except queue.Empty:
-                return True
-            block = False
-            if isinstance(command, _Stop):
-                return False
-            if isinstance(command, _Add):
-                engine.add(command.request)
-            else:
-                engine.abort_request(command.request_id)
+                message = self._results.recv() if self._results.poll(timeout) else None
+            except (EOFError, OSError):  # the process is gone without a word
+                if not self._stopping:
+                    self.engine_process.join(_STOP_TIMEOUT_S)
+                    self._die(RuntimeError(f"The engine process exited (code {self.engine_process.exitcode})."))
+                return
+            if message is not None:
+                kind, payload, *stats = message
+                if kind == "stopped":
+                    return
+                if kind == "dead":
+                    self._die(payload)
+                    return
+                self._stats = stats[0]
+                loop = self._loop
+                if payload and loop is not None and not loop.is_closed():
+                    loop.call_soon_threadsafe(self._dispatch, payload)
+            if self._log_stats_interval_s and time.monotonic() >= next_log:
+                self.metrics.log_stats()
+                next_log = time.monotonic() + self._log_stats_interval_s
+
+    def _die(self, error: BaseException) -> None:
+        logger.error("The engine stopped: %s", error)
+        self.dead_error = error
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._fail_all, error)
+
+
+def _engine_core(config: EngineConfig, commands: Connection, results: Connection, num_threads: int) -> None:
+    """The engine process: apply requests and aborts as they come, step while there is work."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front decides
+    torch.set_num_threads(num_threads)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        engine = LLMEngine(config)
+    except BaseException as error:  # noqa: BLE001 (the front raises it)
+        results.send(("dead", _picklable(error)))
+        return
+    sent_stats = engine.stats()
+    results.send(("ready", sent_stats))
+    try:
+        while True:
+            busy = engine.has_unfinished_requests() or engine.in_flight is not None
+            if not busy and not commands.poll(_IDLE_POLL_S):
+                parent = mp.parent_process()
+                if parent is not None and not parent.is_alive():
+                    break
+                continue
+            if not _apply_commands(engine, commands):
+                break
+            outputs = []
+            if engine.has_unfinished_requests() or engine.in_flight is not None:
+                outputs = engine.step()
+            stats = engine.stats()
+            if outputs or stats != sent_stats:
+                results.send(("step", [(o.request_id, o.outputs, o.finished, o.metrics, o.num_cached_tokens)
+                                       for o in outputs], stats))
+                sent_stats = stats
+        results.send(("stopped", None))
+    except BaseException as error:  # reported to the front (then /health says 503)
+        logger.exception("The engine stopped on an error")
+        try:
+            results.send(("dead", _picklable(error)))
+        except OSError:
+            pass  # the front is gone too
+    finally:
+        engine.shutdown()
+
+
+def _apply_commands(engine: LLMEngine, commands: Connection) -> bool:
+    """Apply every queued add and abort; False once asked to stop."""
+    while commands.poll():
+        command = commands.recv()
+        if command is None:
+            return False
+        if command[0] == "add":
+            _, request_id, prompt_text, prompt_token_ids, params, arrival_time = command
+            engine.add(engine.build_request(request_id, prompt_text, prompt_token_ids, params, stream=True,
+                                            arrival_time=arrival_time))
+        else:
+            engine.abort_request(command[1])
+    return True
+
+
+def _picklable(error: BaseException) -> BaseException:
+    """The error itself when it survives the pipe (a ValueError about the config, say)."""
+    try:
+        pickle.dumps(error)
+        return error
+    except Exception:  # noqa: BLE001 (any pickling failure)
+        return RuntimeError(f"{type(error).__name__}: {error}")

@@ -9,6 +9,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 
 from minivllm.config import EngineConfig
 from minivllm.engine.detokenizer import IncrementalDetokenizer, detokenize
+from minivllm.engine.input_processor import InputProcessor, PromptType
 from minivllm.engine.kv_cache_manager import KVCacheManager
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import Sequence, SequenceStatus
@@ -16,9 +17,6 @@ from minivllm.executor.model_runner import ModelRunner, StepHandle
 from minivllm.executor.worker import Workers
 from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from minivllm.sampling_params import SamplingParams
-
-# A prompt: text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]} dicts.
-PromptType = str | list[int] | dict
 
 
 @dataclass
@@ -46,6 +44,7 @@ class LLMEngine:
         if not config.skip_tokenizer_init:
             self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.eos_token_ids = self._eos_token_ids()
+        self.input_processor = InputProcessor(config, self.tokenizer)
         # Ranks 1..N-1 of a tensor-parallel engine; they build their shards alongside ours.
         self.workers = Workers(config) if config.tensor_parallel_size > 1 else None
         try:
@@ -88,11 +87,14 @@ class LLMEngine:
 
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                      stream: bool = False, arrival_time: float | None = None) -> Request:
-        """Tokenize and validate a request without touching the engine's state (so a serving
-        front can do it on its own thread). Raises ValueError on bad input."""
+        """Tokenize and validate a request. Raises ValueError on bad input."""
         params = params or SamplingParams()
-        prompt_text, prompt_token_ids = self._tokenize(prompt)
-        self._validate(prompt_token_ids, params)
+        prompt_text, prompt_token_ids = self.input_processor.process(prompt, params)
+        return self.build_request(request_id, prompt_text, prompt_token_ids, params, stream, arrival_time)
+
+    def build_request(self, request_id: str, prompt_text: str | None, prompt_token_ids: list[int],
+                      params: SamplingParams, stream: bool = False, arrival_time: float | None = None) -> Request:
+        """A request from a prompt an InputProcessor already checked."""
         params.all_stop_token_ids = set(params.stop_token_ids) | (
             set() if params.ignore_eos else self.eos_token_ids)
         seqs, detokenizers = [], []
@@ -117,40 +119,6 @@ class LLMEngine:
         self.requests[request.request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
-
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("A prompt dict needs a 'prompt' (text) or 'prompt_token_ids' key.")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("skip_tokenizer_init=True: pass prompts as {'prompt_token_ids': [...]}.")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)):
-            return None, _token_ids(prompt)
-        raise ValueError(f"Unsupported prompt type {type(prompt).__name__}: pass a string, a list of "
-                         "token ids, or {'prompt_token_ids': [...]}.")
-
-    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        max_len = self.config.max_model_len
-        if not prompt_token_ids:
-            raise ValueError("The prompt is empty: give at least one token.")
-        if len(prompt_token_ids) >= max_len:
-            raise ValueError(
-                f"The prompt has {len(prompt_token_ids)} tokens but max_model_len is {max_len}, which must "
-                "also leave room for at least one generated token: shorten the prompt or raise max_model_len.")
-        vocab_size = self.model_runner.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"Prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size}).")
-        if params.logprobs is not None and params.logprobs > vocab_size:
-            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab_size}.")
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}.")
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
@@ -302,10 +270,3 @@ class LLMEngine:
     def _decode_token(self, token: int) -> str | None:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
 
-
-def _token_ids(values: object) -> list[int]:
-    """A prompt's token ids as a list of ints; anything else is the caller's mistake."""
-    if not isinstance(values, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in values):
-        raise ValueError("prompt_token_ids must be a list of integers.")
-    return list(values)

@@ -14,7 +14,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from minivllm.engine.llm_engine import Request
 from minivllm.outputs import RequestOutput
 
 logger = logging.getLogger("minivllm.stats")
@@ -56,8 +55,8 @@ class ServingMetrics:
 
     # --- recorded on the event loop ---------------------------------------------------------
 
-    def on_request_added(self, request: Request) -> None:
-        self._last_output_time[request.request_id] = None
+    def on_request_added(self, request_id: str) -> None:
+        self._last_output_time[request_id] = None
 
     def on_output(self, output: RequestOutput, now: float) -> None:
         last = self._last_output_time.get(output.request_id)

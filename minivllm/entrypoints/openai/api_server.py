@@ -88,7 +88,7 @@ def build_app(serving: OpenAIServing, api_key: str | None = None) -> FastAPI:
         serving.check_model(body.model)
         if serving.tokenizer is None:
             raise OpenAIError("This server has no tokenizer.")
-        vocab_size = engine.engine.model_runner.vocab_size
+        vocab_size = engine.vocab_size
         if any(not 0 <= t < vocab_size for t in body.tokens):
             raise OpenAIError(f"Token ids must be in [0, {vocab_size}).", param="tokens")
         return {"prompt": serving.tokenizer.decode(body.tokens)}

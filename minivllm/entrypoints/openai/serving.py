@@ -88,7 +88,7 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
-        self.tokenizer = engine.engine.tokenizer
+        self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.max_model_len
         self.sampling_defaults = generation_config_defaults(engine.config.model)
 

@@ -1,0 +1,69 @@
+"""InputProcessor: a prompt in any accepted form, checked and turned into token ids.
+
+Both LLMEngine (offline) and AsyncLLM's front (serving, in the API process) use it, so a
+bad prompt is refused with the same ValueError wherever it comes in, before any engine
+state changes.
+"""
+
+from transformers import PreTrainedTokenizerBase
+
+from minivllm.config import EngineConfig
+from minivllm.sampling_params import SamplingParams
+
+# A prompt: text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]} dicts.
+PromptType = str | list[int] | dict
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase | None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size: int = config.hf_config.vocab_size
+
+    def process(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """(prompt text or None, prompt token ids). Raises ValueError on bad input."""
+        prompt_text, prompt_token_ids = self._tokenize(prompt)
+        self._validate(prompt_token_ids, params)
+        return prompt_text, prompt_token_ids
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("A prompt dict needs a 'prompt' (text) or 'prompt_token_ids' key.")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("skip_tokenizer_init=True: pass prompts as {'prompt_token_ids': [...]}.")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, _token_ids(prompt)
+        raise ValueError(f"Unsupported prompt type {type(prompt).__name__}: pass a string, a list of "
+                         "token ids, or {'prompt_token_ids': [...]}.")
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        max_len = self.config.max_model_len
+        if not prompt_token_ids:
+            raise ValueError("The prompt is empty: give at least one token.")
+        if len(prompt_token_ids) >= max_len:
+            raise ValueError(
+                f"The prompt has {len(prompt_token_ids)} tokens but max_model_len is {max_len}, which must "
+                "also leave room for at least one generated token: shorten the prompt or raise max_model_len.")
+        vocab_size = self.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"Prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size}).")
+        if params.logprobs is not None and params.logprobs > vocab_size:
+            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab_size}.")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}.")
+
+
+def _token_ids(values: object) -> list[int]:
+    """A prompt's token ids as a list of ints; anything else is the caller's mistake."""
+    if not isinstance(values, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in values):
+        raise ValueError("prompt_token_ids must be a list of integers.")
+    return list(values)
