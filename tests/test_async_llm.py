@@ -51,7 +51,7 @@ def test_deltas_join_to_the_offline_output(engine: AsyncLLM, model_dir: str) -> 
 
 def test_abort_frees_blocks_and_ends_the_stream(engine: AsyncLLM) -> None:
     async def run() -> None:
-        stream = engine.add_request("The quick brown fox", SamplingParams(max_tokens=500, ignore_eos=True))
+        stream = await engine.add_request("The quick brown fox", SamplingParams(max_tokens=500, ignore_eos=True))
         async for output in stream:
             if len(output.outputs[0].token_ids) and engine.engine_stats()["num_running"] == 1:
                 break  # leaving the loop aborts the request
@@ -68,12 +68,12 @@ def test_abort_frees_blocks_and_ends_the_stream(engine: AsyncLLM) -> None:
 def test_bad_input_raises_before_anything_is_queued(engine: AsyncLLM) -> None:
     async def run() -> None:
         with pytest.raises(ValueError, match="empty"):
-            engine.add_request("", GREEDY)
+            await engine.add_request("", GREEDY)
         with pytest.raises(ValueError, match="max_model_len"):
-            engine.add_request(list(range(5000)), GREEDY)
-        stream = engine.add_request("Hello", GREEDY, request_id="same")
+            await engine.add_request(list(range(5000)), GREEDY)
+        stream = await engine.add_request("Hello", GREEDY, request_id="same")
         with pytest.raises(ValueError, match="already in use"):
-            engine.add_request("Hello", GREEDY, request_id="same")
+            await engine.add_request("Hello", GREEDY, request_id="same")
         assert len([o async for o in stream]) == 12
 
     asyncio.run(run())
@@ -81,12 +81,12 @@ def test_bad_input_raises_before_anything_is_queued(engine: AsyncLLM) -> None:
 
 def test_engine_death_fails_streams_and_new_requests(engine: AsyncLLM) -> None:
     async def run() -> None:
-        stream = engine.add_request("Hello", SamplingParams(max_tokens=1000, ignore_eos=True))
+        stream = await engine.add_request("Hello", SamplingParams(max_tokens=1000, ignore_eos=True))
         with pytest.raises(EngineDeadError):
             async for _ in stream:
                 os.kill(engine.engine_process.pid, signal.SIGKILL)
         assert not engine.is_running
         with pytest.raises(EngineDeadError):
-            engine.add_request("Hello", GREEDY)
+            await engine.add_request("Hello", GREEDY)
 
     asyncio.run(run())

@@ -12,12 +12,19 @@ def chat_prompt_token_ids(tokenizer: PreTrainedTokenizerBase | None, conversatio
                           chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Render the conversation with the model's chat template and tokenize it. The template
     writes any special tokens itself, so none are added on top (no double BOS)."""
+    text = render_chat_prompt(tokenizer, conversation, add_generation_prompt, chat_template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_chat_prompt(tokenizer: PreTrainedTokenizerBase | None, conversation: Conversation,
+                       add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """The conversation as text, through the model's chat template (tokenize it without
+    adding special tokens)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("This model's tokenizer has no chat template: send a plain prompt instead.")
     try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False,
+        return tokenizer.apply_chat_template(conversation, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
                                              **(chat_template_kwargs or {}))
     except Exception as error:  # jinja2 errors: a message shape this template does not take
         raise ValueError(f"The chat template could not render these messages: {error}") from error
-    return tokenizer.encode(text, add_special_tokens=False)

@@ -23,7 +23,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import minivllm
 from minivllm.config import EngineConfig
 from minivllm.engine.async_llm import AsyncLLM, EngineDeadError
-from minivllm.entrypoints.chat_utils import chat_prompt_token_ids
 from minivllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -67,20 +66,19 @@ def build_app(serving: OpenAIServing, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw_request: Request) -> Response:
-        return await _respond(raw_request, serving.create_completion(body))
+        return await _respond(raw_request, await serving.create_completion(body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await _respond(raw_request, serving.create_chat_completion(body))
+        return await _respond(raw_request, await serving.create_chat_completion(body))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         serving.check_model(body.model)
         if body.messages is not None:
-            tokens = chat_prompt_token_ids(serving.tokenizer, [m.as_template_input() for m in body.messages],
-                                           body.add_generation_prompt)
+            tokens = await serving.chat_prompt(body.messages, body.add_generation_prompt)
         else:
-            tokens = serving.tokenize(body.prompt, body.add_special_tokens)
+            tokens = await serving.tokenize(body.prompt, body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")

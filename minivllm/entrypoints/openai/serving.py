@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minivllm.engine.async_llm import AsyncLLM, RequestStream
-from minivllm.entrypoints.chat_utils import chat_prompt_token_ids
+from minivllm.entrypoints.chat_utils import render_chat_prompt
 from minivllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     OpenAIError,
     _SamplingRequest,
@@ -99,10 +100,16 @@ class OpenAIServing:
             raise OpenAIError(f"The model `{model}` does not exist: this server serves "
                               f"{', '.join(self.served_model_names)}.", 404, "model")
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise OpenAIError("This server has no tokenizer: send token ids instead of text.")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await self.engine.encode(text, add_special_tokens)
+
+    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                          chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        text = render_chat_prompt(self.tokenizer, [message.as_template_input() for message in messages],
+                                  add_generation_prompt, chat_template_kwargs)
+        return await self.tokenize(text, add_special_tokens=False)
 
     def _check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         limit = self.max_model_len
@@ -122,15 +129,16 @@ class OpenAIServing:
         except ValueError as error:
             raise OpenAIError(str(error)) from error
 
-    def _start(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
-               request_id: str) -> list[RequestStream]:
+    async def _start(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
+                     request_id: str) -> list[RequestStream]:
         """One engine request per prompt; all or none (a bad one aborts those already added)."""
+        for _, token_ids in prompts:
+            self._check_length(len(token_ids), params.max_tokens)
         streams: list[RequestStream] = []
         try:
             for i, (text, token_ids) in enumerate(prompts):
-                self._check_length(len(token_ids), params.max_tokens)
-                streams.append(self.engine.add_request({"prompt": text, "prompt_token_ids": token_ids},
-                                                       params, f"{request_id}-{i}"))
+                streams.append(await self.engine.add_request({"prompt": text, "prompt_token_ids": token_ids},
+                                                             params, f"{request_id}-{i}"))
         except BaseException:
             for stream in streams:
                 self.engine.abort(stream.request_id)
@@ -139,19 +147,20 @@ class OpenAIServing:
 
     # --- /v1/completions --------------------------------------------------------------------
 
-    def create_completion(self, request: CompletionRequest) -> Awaitable[Json] | AsyncIterator[str]:
-        """The response body, or the SSE events of a streaming response. Raises OpenAIError or
-        ValueError (both 400) before anything is queued."""
+    async def create_completion(self, request: CompletionRequest) -> Awaitable[Json] | AsyncIterator[str]:
+        """Queue the request; return what makes the response body, or the SSE events of a
+        streaming response. Raises OpenAIError or ValueError (both 400) before anything is
+        queued."""
         self.check_model(request.model)
         if request.suffix is not None:
             raise OpenAIError("suffix is not supported: remove it from the request.", param="suffix")
         if request.echo and request.logprobs is not None:
             raise OpenAIError("echo with logprobs needs prompt logprobs, which minivllm does not compute: "
                               "drop one of them.", param="echo")
-        prompts = self._completion_prompts(request.prompt)
         params = self._sampling_params(request, request.max_tokens, request.logprobs)
+        prompts = await self._completion_prompts(request.prompt)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = self._start(prompts, params, request_id)
+        streams = await self._start(prompts, params, request_id)
         echoes = [self._prompt_text(text, token_ids) if request.echo else "" for text, token_ids in prompts]
         response = _CompletionResponse(request_id, request.model or self.served_model_names[0], request,
                                        params.n, echoes)
@@ -159,14 +168,14 @@ class OpenAIServing:
             return response.stream(streams, request.include_usage)
         return response.gather(streams)
 
-    def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]
-                            ) -> list[tuple[str | None, list[int]]]:
+    async def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]
+                                  ) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, str) or prompt and isinstance(prompt[0], int):
             prompt = [prompt]
         if not prompt:
             raise OpenAIError("prompt is empty: give a string, a list of strings, token ids or lists of them.",
                               param="prompt")
-        return [(p, self.tokenize(p)) if isinstance(p, str) else (None, p) for p in prompt]
+        return [(p, await self.tokenize(p)) if isinstance(p, str) else (None, p) for p in prompt]
 
     def _prompt_text(self, text: str | None, token_ids: list[int]) -> str:
         if text is not None:
@@ -175,17 +184,16 @@ class OpenAIServing:
 
     # --- /v1/chat/completions ---------------------------------------------------------------
 
-    def create_chat_completion(self, request: ChatCompletionRequest) -> Awaitable[Json] | AsyncIterator[str]:
+    async def create_chat_completion(self, request: ChatCompletionRequest) -> Awaitable[Json] | AsyncIterator[str]:
         self.check_model(request.model)
-        conversation = [message.as_template_input() for message in request.messages]
-        token_ids = chat_prompt_token_ids(self.tokenizer, conversation, request.add_generation_prompt,
-                                          request.chat_template_kwargs)
+        token_ids = await self.chat_prompt(request.messages, request.add_generation_prompt,
+                                           request.chat_template_kwargs)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
             else request.max_tokens
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self._sampling_params(request, max_tokens, num_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = self._start([(None, token_ids)], params, request_id)
+        streams = await self._start([(None, token_ids)], params, request_id)
         response = _ChatResponse(request_id, request.model or self.served_model_names[0], num_logprobs, params.n)
         if request.stream:
             return response.stream(streams, request.include_usage)
