@@ -116,7 +116,8 @@ class AsyncLLM:
         self._results, core_results = ctx.Pipe(duplex=False)
         # Not a daemon: the core starts tensor-parallel workers of its own.
         self.engine_process = ctx.Process(target=_engine_core, name="minivllm-engine",
-                                          args=(config, core_commands, core_results, torch.get_num_threads()))
+                                          args=(config, core_commands, core_results, torch.get_num_threads(),
+                                                logging.getLogger().getEffectiveLevel()))
         self.engine_process.start()
         core_commands.close()
         core_results.close()
@@ -273,11 +274,12 @@ class AsyncLLM:
             loop.call_soon_threadsafe(self._fail_all, error)
 
 
-def _engine_core(config: EngineConfig, commands: Connection, results: Connection, num_threads: int) -> None:
+def _engine_core(config: EngineConfig, commands: Connection, results: Connection, num_threads: int,
+                 log_level: int) -> None:
     """The engine process: apply requests and aborts as they come, step while there is work."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front decides
     torch.set_num_threads(num_threads)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     try:
         engine = LLMEngine(config)
     except BaseException as error:  # noqa: BLE001 (the front raises it)
