@@ -114,6 +114,14 @@ def test_chat_streaming_and_not(server: RemoteServer, offline: LLM) -> None:
                             use_tqdm=False)[0]
     assert whole.choices[0].message.content == expected.outputs[0].text
     assert whole.usage.prompt_tokens == len(expected.prompt_token_ids)
+    # continue_final_message: the reply continues the last (assistant) message instead of a new one.
+    partial = [{"role": "user", "content": "Tell me a story"}, {"role": "assistant", "content": "Once upon"}]
+    continued = client.chat.completions.create(model="tiny", messages=partial, max_tokens=2, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False})
+    tokenizer = offline.get_tokenizer()
+    rendered = tokenizer.apply_chat_template(partial, tokenize=False, continue_final_message=True)
+    assert rendered.endswith("Once upon")
+    assert continued.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
     chunks = list(client.chat.completions.create(**kwargs, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
@@ -246,9 +254,21 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server: RemoteServer,
     good = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
     expected = greedy_text(offline, PROMPTS[0], 5)
     long_prompt = list(range(5, 5 + MAX_MODEL_LEN))
+    chat_url = f"{server.url}/v1/chat/completions"
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    aborts_before = server.metrics().get("vllm:request_success_total", 0)
     cases = [
         (httpx.post(url, content=b'{"model": "tiny", "prompt": ', headers={"content-type": "application/json"}),
-         400, "JSON"),
+         400, "not valid JSON"),
+        (httpx.post(url, content=b"prompt=Hi"), 400, "Content-Type: application/json"),
+        (httpx.post(url, json={**good, "prompt": ["fine", ""]}), 400, "empty"),
+        (httpx.post(url, json={**good, "stream_options": {"include_usage": True}}), 400, "stream=true"),
+        (httpx.post(url, json={**good, "best_of": 3}), 400, "best_of"),
+        (httpx.post(url, json={**good, "logprobs": 21}), 400, "logprobs"),
+        (httpx.post(chat_url, json={**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+         400, "tools"),
+        (httpx.post(chat_url, json={**chat, "response_format": {"type": "json_object"}}), 400, "response_format"),
+        (httpx.post(chat_url, json={**chat, "top_logprobs": 2}), 400, "logprobs=true"),
         (httpx.post(url, json={**good, "max_tokens": "many"}), 400, "max_tokens"),
         (httpx.post(url, json={**good, "prompt": {"not": "a prompt"}}), 400, "prompt"),
         (httpx.post(url, json={**good, "temperature": -1}), 400, "temperature"),
@@ -268,6 +288,11 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server: RemoteServer,
         message = _error(response, status)
         assert fragment in message, (fragment, message)
         assert httpx.post(url, json=good).json()["choices"][0]["text"] == expected
+    # A refused list of prompts queued none of them (nothing was aborted).
+    assert server.metrics().get("vllm:request_success_total", 0) == aborts_before + len(cases)
+    # Sampling errors name their field.
+    response = httpx.post(url, json={**good, "top_p": 0})
+    assert response.json()["error"]["param"] == "top_p"
     # The length error names the tokens asked for.
     assert f"has {MAX_MODEL_LEN} input tokens" in _error(httpx.post(url, json={**good, "prompt": long_prompt}), 400)
     # Unknown fields are accepted (and logged), as vLLM does.

@@ -34,8 +34,6 @@ from minivllm.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
-# Paths that answer without an API key (probes and scrapers carry none).
-_OPEN_PATHS = {"/health", "/metrics", "/version", "/ping"}
 
 
 def build_app(serving: OpenAIServing, api_key: str | None = None) -> FastAPI:
@@ -131,11 +129,16 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, error: RequestValidationError) -> JSONResponse:
-        problems = [f"{'.'.join(str(part) for part in e['loc'] if part != 'body') or 'body'}: {e['msg']}"
-                    for e in error.errors()]
-        first_loc = error.errors()[0]["loc"] if error.errors() else ()
-        param = str(first_loc[1]) if len(first_loc) > 1 else None
-        return reply(OpenAIError("Invalid request: " + "; ".join(problems), param=param))
+        errors = error.errors()
+        if any(e["type"] == "json_invalid" for e in errors):
+            return reply(OpenAIError("The request body is not valid JSON: check its syntax."))
+        if errors and errors[0]["type"] in ("model_attributes_type", "dict_type", "missing") \
+                and errors[0]["loc"] == ("body",):  # not an object: no JSON sent?
+            return reply(OpenAIError("The request body must be a JSON object (send it with "
+                                     "Content-Type: application/json)."))
+        fields = [".".join(str(part) for part in e["loc"][1:]) for e in errors]
+        problems = [f"{field or 'body'}: {e['msg'].removeprefix('Value error, ')}" for field, e in zip(fields, errors)]
+        return reply(OpenAIError("Invalid request: " + "; ".join(problems), param=fields[0] or None))
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, error: HTTPException) -> JSONResponse:
@@ -147,15 +150,16 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 class _APIKeyMiddleware:
-    """401 for requests without `Authorization: Bearer <api key>`, except the open paths.
-    Pure ASGI: a BaseHTTPMiddleware would sit in the path of every streamed event."""
+    """401 for /v1/ requests without `Authorization: Bearer <api key>` (as vLLM: /health,
+    /metrics, /version, /tokenize stay open). Pure ASGI: a BaseHTTPMiddleware would sit in
+    the path of every streamed event."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 error = OpenAIError("Invalid or missing API key: send 'Authorization: Bearer <key>'.", 401)

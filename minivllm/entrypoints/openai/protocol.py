@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                500: "InternalServerError"}
+                405: "MethodNotAllowedError", 500: "InternalServerError"}
 
 
 class OpenAIError(Exception):
@@ -70,7 +70,16 @@ class _SamplingRequest(_Request):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    best_of: int | None = None
     user: str | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "_SamplingRequest":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be given with stream=true")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (other than best_of = n): remove it")
+        return self
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict[str, Any]) -> SamplingParams:
@@ -96,7 +105,7 @@ class _SamplingRequest(_Request):
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
-    logprobs: int | None = Field(default=None, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's default max_logprobs
     echo: bool = False
     suffix: str | None = None
 
@@ -127,7 +136,29 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # Refused unless empty: minivllm has no tool calling or structured output.
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> "ChatCompletionRequest":
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise ValueError("tools and tool_choice are not supported by minivllm: remove them")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ValueError("response_format other than {'type': 'text'} (structured output) is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=false")
+        return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Extra arguments for the chat template."""
+        extra = {"continue_final_message": True} if self.continue_final_message else {}
+        return {**(self.chat_template_kwargs or {}), **extra}
 
 
 class TokenizeRequest(_Request):

@@ -126,14 +126,16 @@ class OpenAIServing:
                          logprobs: int | None) -> SamplingParams:
         try:
             return request.sampling_params(max_tokens, logprobs, self.sampling_defaults)
-        except ValueError as error:
-            raise OpenAIError(str(error)) from error
+        except ValueError as error:  # "SamplingParams: top_p must be ...": name the field as param
+            message = str(error).removeprefix("SamplingParams: ")
+            raise OpenAIError(message, param=message.split()[0]) from error
 
     async def _start(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
                      request_id: str) -> list[RequestStream]:
-        """One engine request per prompt; all or none (a bad one aborts those already added)."""
-        for _, token_ids in prompts:
+        """One engine request per prompt; all or none: every prompt is checked first."""
+        for text, token_ids in prompts:
             self._check_length(len(token_ids), params.max_tokens)
+            self.engine.input_processor.process({"prompt": text, "prompt_token_ids": token_ids}, params)
         streams: list[RequestStream] = []
         try:
             for i, (text, token_ids) in enumerate(prompts):
@@ -187,7 +189,7 @@ class OpenAIServing:
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Awaitable[Json] | AsyncIterator[str]:
         self.check_model(request.model)
         token_ids = await self.chat_prompt(request.messages, request.add_generation_prompt,
-                                           request.chat_template_kwargs)
+                                           request.template_kwargs())
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
             else request.max_tokens
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
