@@ -1,0 +1,65 @@
+"""ServingMetrics: what a request's outputs record, and vLLM's periodic stats line."""
+
+import logging
+
+import pytest
+from prometheus_client import generate_latest
+
+from minivllm.engine.metrics import ServingMetrics
+from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+
+def _output(request_id: str, num_tokens: int, finish_reason: str | None, metrics: RequestMetrics) -> RequestOutput:
+    completion = CompletionOutput(0, "x" * num_tokens, list(range(num_tokens)), None, None, finish_reason)
+    return RequestOutput(request_id, "p", [1, 2, 3], [completion], finish_reason is not None, metrics)
+
+
+def test_outputs_feed_the_histograms_and_counters() -> None:
+    stats = {"prefix_cache_queries": 10, "prefix_cache_hits": 4, "num_preemptions": 2, "num_free_blocks": 75,
+             "num_blocks": 100, "num_running": 3, "num_waiting": 1}
+    metrics = ServingMetrics("tiny", lambda: stats)
+    timing = RequestMetrics(arrival_time=100.0, first_scheduled_time=100.5)
+    metrics.on_request_added("a")
+    metrics.on_output(_output("a", 1, None, timing), now=101.0)  # TTFT 1 s, queued 0.5 s
+    metrics.on_output(_output("a", 1, None, timing), now=101.25)  # ITL 0.25 s
+    metrics.on_output(_output("a", 2, "length", timing), now=102.0)  # ITL 0.75 s, E2E 2 s
+    metrics.on_request_added("b")
+    metrics.on_request_aborted("b")
+    text = generate_latest(metrics.registry).decode()
+
+    def sample(line_start: str) -> float:
+        (line,) = [line for line in text.splitlines() if line.startswith(line_start)]
+        return float(line.rsplit(" ", 1)[1])
+
+    assert sample('vllm:time_to_first_token_seconds_sum{model_name="tiny"}') == pytest.approx(1.0)
+    assert sample('vllm:inter_token_latency_seconds_count{model_name="tiny"}') == 2
+    assert sample('vllm:inter_token_latency_seconds_sum{model_name="tiny"}') == pytest.approx(1.0)
+    assert sample('vllm:e2e_request_latency_seconds_sum{model_name="tiny"}') == pytest.approx(2.0)
+    assert sample('vllm:request_queue_time_seconds_sum{model_name="tiny"}') == pytest.approx(0.5)
+    assert sample('vllm:request_success_total{finished_reason="length",model_name="tiny"}') == 1
+    assert sample('vllm:request_success_total{finished_reason="abort",model_name="tiny"}') == 1
+    assert sample('vllm:generation_tokens_total{model_name="tiny"}') == 4
+    assert sample('vllm:prompt_tokens_total{model_name="tiny"}') == 3
+    assert sample('vllm:kv_cache_usage_perc{model_name="tiny"}') == pytest.approx(0.25)
+    assert sample('vllm:num_requests_running{model_name="tiny"}') == 3
+    assert sample('vllm:prefix_cache_hits_total{model_name="tiny"}') == 4
+    assert sample('vllm:num_preemptions_total{model_name="tiny"}') == 2
+
+
+def test_periodic_stats_line(caplog: pytest.LogCaptureFixture) -> None:
+    stats = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0, "num_free_blocks": 90,
+             "num_blocks": 100, "num_running": 0, "num_waiting": 0}
+    metrics = ServingMetrics("tiny", lambda: dict(stats))
+    caplog.set_level(logging.INFO, logger="minivllm.stats")
+    metrics.log_stats()  # the first call only sets the baseline
+    metrics.log_stats()
+    assert not caplog.records  # quiet while nothing happens
+    metrics.on_request_added("a")
+    metrics.on_output(_output("a", 5, None, RequestMetrics(arrival_time=0.0)), now=1.0)
+    stats.update(prefix_cache_queries=100, prefix_cache_hits=25, num_running=2, num_waiting=1)
+    metrics.log_stats()
+    (record,) = caplog.records
+    message = record.getMessage()
+    for fragment in ("Avg prompt throughput:", "Avg generation throughput:", "Running: 2 reqs", "Waiting: 1 reqs",
+                     "GPU KV cache usage: 10.0%", "Prefix cache hit rate: 25.0%"):
+        assert fragment in message, (fragment, message)
