@@ -6,6 +6,7 @@ from collections.abc import Sequence as SequenceABC
 from tqdm import tqdm
 
 from minivllm.config import EngineConfig
+from minivllm.engine.input_processor import is_token_ids
 from minivllm.engine.llm_engine import LLMEngine, PromptType
 from minivllm.entrypoints.chat_utils import Conversation, chat_prompt_token_ids
 from minivllm.outputs import RequestOutput
@@ -26,9 +27,14 @@ class LLM:
     def generate(self, prompts: PromptType | SequenceABC[PromptType],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        """Generate for every prompt; outputs come back in input order. A prompt is a string,
+        token ids (a list of ints, or a 1-D numpy array or tensor) or vLLM's {"prompt": ...} /
+        {"prompt_token_ids": [...]} dict; an empty list of prompts gives an empty list."""
+        if isinstance(prompts, (str, dict)) or is_token_ids(prompts):
             prompts = [prompts]
+        elif not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a prompt or a list of prompts (strings, token-id lists or "
+                             f"dicts), got {type(prompts).__name__}.")
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
@@ -40,9 +46,12 @@ class LLM:
         engine = self.llm_engine
         request_ids = []
         try:
-            for prompt, params in zip(prompts, params_list):
+            for index, (prompt, params) in enumerate(zip(prompts, params_list)):
                 request_id = engine.next_request_id()
-                engine.add_request(request_id, prompt, params)
+                try:
+                    engine.add_request(request_id, prompt, params)
+                except ValueError as error:
+                    raise ValueError(f"Prompt {index}: {error}" if len(prompts) > 1 else str(error)) from error
                 request_ids.append(request_id)
         except ValueError:
             for request_id in request_ids:  # leave the engine as it was

@@ -5,7 +5,7 @@ import json
 import os
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from minivllm.models.llama import PACKED_MODULES
@@ -32,31 +32,40 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     params = dict(model.named_parameters())
     loaded_names: set[str] = set()
     for path in _safetensors_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if "rotary_emb.inv_freq" in name:
-                    continue
-                if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
-                    continue  # tied: the embedding's weight is the head's
-                target, part = name, 0
-                for fragment, (packed, index) in PACKED_MODULES.items():
-                    if f".{fragment}." in name:
-                        target, part = name.replace(fragment, packed), index
-                        break
-                if target not in params:
-                    raise ValueError(f"Checkpoint tensor {name!r} has no place in the model: "
-                                     "is config.json's architecture right for these weights?")
-                param = params[target]
-                # Sharded and packed layers know where their slice of a tensor goes.
-                owner = model.get_submodule(target.rsplit(".", 1)[0])
-                loader = getattr(owner, "weight_loader", _default_weight_loader)
-                loader(param, f.get_tensor(name).to(param.dtype), part)
-                loaded_names.add(target)
+        try:
+            _load_file(model, params, path, loaded_names)
+        except (SafetensorError, OSError) as error:
+            raise ValueError(f"Could not read {path!r} ({error}): the file is missing, truncated or corrupt; "
+                             "download the checkpoint again.") from error
     missing = set(params) - loaded_names
     if getattr(model, "tie_word_embeddings", False):
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"The checkpoint in {model_dir!r} lacks weights for: {', '.join(sorted(missing))}.")
+
+
+def _load_file(model: nn.Module, params: dict[str, nn.Parameter], path: str, loaded_names: set[str]) -> None:
+    """Copy one safetensors file's tensors into the model (recording which were loaded)."""
+    with safe_open(path, framework="pt", device="cpu") as f:
+        for name in f.keys():
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
+                continue  # tied: the embedding's weight is the head's
+            target, part = name, 0
+            for fragment, (packed, index) in PACKED_MODULES.items():
+                if f".{fragment}." in name:
+                    target, part = name.replace(fragment, packed), index
+                    break
+            if target not in params:
+                raise ValueError(f"Checkpoint tensor {name!r} has no place in the model: "
+                                 "is config.json's architecture right for these weights?")
+            param = params[target]
+            # Sharded and packed layers know where their slice of a tensor goes.
+            owner = model.get_submodule(target.rsplit(".", 1)[0])
+            loader = getattr(owner, "weight_loader", _default_weight_loader)
+            loader(param, f.get_tensor(name).to(param.dtype), part)
+            loaded_names.add(target)
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:

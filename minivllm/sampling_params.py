@@ -1,6 +1,8 @@
 """SamplingParams: how to pick each next token and when to stop (vLLM's names and defaults)."""
 
+import math
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 
 # Below this temperature sampling is treated as greedy, as in vLLM.
 GREEDY_EPSILON = 1e-5
@@ -41,6 +43,25 @@ class SamplingParams:
         def fail(message: str) -> None:
             raise ValueError(f"SamplingParams: {message}")
 
+        # Types first: a float count or a string number would misbehave further in.
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "seed"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, Integral)):
+                fail(f"{name} must be an integer, got {value!r}.")
+            if value is not None:
+                setattr(self, name, int(value))  # numpy and similar integers become plain ints
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+                fail(f"{name} must be a finite number, got {value!r}.")
+        if any(isinstance(t, bool) or not isinstance(t, Integral) for t in self.stop_token_ids):
+            fail(f"stop_token_ids must be token ids (integers), got {self.stop_token_ids!r}.")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if any(not isinstance(s, str) for s in self.stop):
+            fail(f"stop must be a string or a list of strings, got {self.stop!r}.")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            fail(f"seed must be in [-2**63, 2**63), got {self.seed}.")
         if self.n < 1:
             fail(f"n must be at least 1, got {self.n}.")
         if self.temperature < 0.0:

@@ -25,10 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from minivllm.config import EngineConfig
-from minivllm.engine.input_processor import InputProcessor, PromptType
+from minivllm.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.metrics import EngineStats, ServingMetrics
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -100,8 +100,7 @@ class AsyncLLM:
         it. model_name labels the metrics (default: the model path); log_stats_interval_s:
         seconds between the periodic stats log lines (None: no log)."""
         self.config = config
-        self.tokenizer: PreTrainedTokenizerBase | None = (
-            None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(config.model))
+        self.tokenizer: PreTrainedTokenizerBase | None = load_tokenizer(config)
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.metrics = ServingMetrics(model_name or config.model, self.engine_stats)
         self.dead_error: BaseException | None = None

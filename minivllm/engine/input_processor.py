@@ -5,13 +5,35 @@ bad prompt is refused with the same ValueError wherever it comes in, before any 
 state changes.
 """
 
-from transformers import PreTrainedTokenizerBase
+import os
+from numbers import Integral
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from minivllm.config import EngineConfig
 from minivllm.sampling_params import SamplingParams
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
 # A prompt: text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]} dicts.
 PromptType = str | list[int] | dict
+
+
+def load_tokenizer(config: EngineConfig) -> PreTrainedTokenizerBase | None:
+    """The model directory's tokenizer (None with skip_tokenizer_init). Raises ValueError
+    when the directory has none."""
+    if config.skip_tokenizer_init:
+        return None
+    advice = ("A Hugging Face model directory needs its tokenizer files (tokenizer.json and "
+              "tokenizer_config.json); or pass skip_tokenizer_init=True and prompts as token ids.")
+    # Without any of these, transformers may build an empty tokenizer rather than fail.
+    if not any(os.path.isfile(os.path.join(config.model, name)) for name in _TOKENIZER_FILES):
+        raise ValueError(f"{config.model!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}). {advice}")
+    try:
+        return AutoTokenizer.from_pretrained(config.model)
+    except (OSError, ValueError, ImportError) as error:
+        raise ValueError(f"Could not load a tokenizer from {config.model!r} "
+                         f"({type(error).__name__}: {str(error)[:200]}). {advice}") from error
 
 
 class InputProcessor:
@@ -38,7 +60,7 @@ class InputProcessor:
             if self.tokenizer is None:
                 raise ValueError("skip_tokenizer_init=True: pass prompts as {'prompt_token_ids': [...]}.")
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)):
+        if is_token_ids(prompt):
             return None, _token_ids(prompt)
         raise ValueError(f"Unsupported prompt type {type(prompt).__name__}: pass a string, a list of "
                          "token ids, or {'prompt_token_ids': [...]}.")
@@ -57,13 +79,31 @@ class InputProcessor:
             raise ValueError(f"Prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size}).")
         if params.logprobs is not None and params.logprobs > vocab_size:
             raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab_size}.")
+        bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+        if bad_stops:
+            raise ValueError(f"stop_token_ids {bad_stops[:5]} are outside the vocabulary [0, {vocab_size}).")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}.")
 
 
+def is_token_ids(prompt: object) -> bool:
+    """Whether prompt is one prompt given as token ids: a list or tuple of integers (numpy's
+    and torch's included), or a 1-D numpy array or tensor."""
+    if hasattr(prompt, "ndim") and hasattr(prompt, "tolist"):  # numpy arrays, torch tensors
+        return prompt.ndim == 1
+    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and _is_token_id(prompt[0])
+
+
+def _is_token_id(value: object) -> bool:
+    if hasattr(value, "ndim") and hasattr(value, "item"):  # a numpy or torch scalar
+        return value.ndim == 0 and isinstance(value.item(), Integral) and not isinstance(value.item(), bool)
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
 def _token_ids(values: object) -> list[int]:
-    """A prompt's token ids as a list of ints; anything else is the caller's mistake."""
-    if not isinstance(values, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in values):
+    """A prompt's token ids as a list of plain ints; anything else is the caller's mistake."""
+    if hasattr(values, "ndim") and hasattr(values, "tolist"):
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)) or not all(_is_token_id(t) for t in values):
         raise ValueError("prompt_token_ids must be a list of integers.")
-    return list(values)
+    return [int(t) for t in values]

@@ -5,11 +5,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from minivllm.config import EngineConfig
 from minivllm.engine.detokenizer import IncrementalDetokenizer, detokenize
-from minivllm.engine.input_processor import InputProcessor, PromptType
+from minivllm.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from minivllm.engine.kv_cache_manager import KVCacheManager
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import Sequence, SequenceStatus
@@ -40,9 +40,7 @@ class Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.tokenizer: PreTrainedTokenizerBase | None = None
-        if not config.skip_tokenizer_init:
-            self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer: PreTrainedTokenizerBase | None = load_tokenizer(config)
         self.eos_token_ids = self._eos_token_ids()
         self.input_processor = InputProcessor(config, self.tokenizer)
         # Ranks 1..N-1 of a tensor-parallel engine; they build their shards alongside ours.

@@ -2,30 +2,41 @@
 
 import argparse
 import logging
-import os
 import sys
 
 from minivllm.sampling_params import SamplingParams
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except where there is none to show (None, off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("generate", help="generate text for one or more prompts")
+    parser = subparsers.add_parser("generate", help="generate text for one or more prompts",
+                                   formatter_class=_HelpFormatter)
     parser.add_argument("--model", help="Hugging Face model directory (default: a small random demo model)")
-    parser.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    parser.add_argument("--prompt", action="append",
+                        help="a prompt (repeat for several; default: two example prompts)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt, at most")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this probability mass")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    parser.add_argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling")
     parser.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    parser.add_argument("--n", type=int, default=1)
-    parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--n", type=int, default=1, help="samples per prompt")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context length (default: the model's max_position_embeddings)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="shard the model over this many GPUs")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -55,27 +66,33 @@ def _generate(args: argparse.Namespace) -> None:
 
 def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     """`vllm serve`'s flags for what minivllm has."""
-    parser = subparsers.add_parser("serve", help="serve a model over the OpenAI API (as `vllm serve`)")
+    parser = subparsers.add_parser("serve", help="serve a model over the OpenAI API (as `vllm serve`)",
+                                   formatter_class=_HelpFormatter)
     parser.add_argument("model", help="Hugging Face model directory")
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="the name(s) clients use in 'model' (default: the model path)")
-    parser.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+    parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' (default: $VLLM_API_KEY)")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context length (default: the model's max_position_embeddings)")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in a step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="most tokens in a step (default: 8192)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="share of GPU memory for weights, activations and the KV cache")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV cache of shared prompt prefixes")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over this many GPUs")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    parser.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                        help="dummy: random weights (for benchmarks)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--disable-log-stats", action="store_true", help="no periodic stats log line")
-    parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,6 +7,7 @@ until SIGINT or SIGTERM, then stops the engine (and its tensor-parallel workers)
 import argparse
 import asyncio
 import logging
+import os
 import secrets
 import signal
 from collections.abc import AsyncIterator, Awaitable
@@ -180,7 +181,7 @@ def run_server(args: argparse.Namespace) -> None:
     names = args.served_model_name or [args.model]
     engine = AsyncLLM(config, model_name=names[0], log_stats_interval_s=None if args.disable_log_stats else 10.0)
     try:
-        app = build_app(OpenAIServing(engine, names), args.api_key)
+        app = build_app(OpenAIServing(engine, names), args.api_key or os.environ.get("VLLM_API_KEY"))
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                                access_log=not args.disable_uvicorn_access_log,
                                                timeout_graceful_shutdown=5))
