@@ -24,6 +24,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None  # KV-cache blocks, instead of sizing by memory (as vLLM)
     seed: int = 0
     load_format: str = "auto"  # "auto": safetensors from the model directory; "dummy": random
     enforce_eager: bool = False
@@ -88,6 +89,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.load_format not in ("auto", "dummy", "safetensors"):

@@ -1,6 +1,7 @@
 """LLM: the offline facade, as in vLLM: generate() and chat()."""
 
 import time
+import weakref
 from collections.abc import Sequence as SequenceABC
 
 from tqdm import tqdm
@@ -16,10 +17,13 @@ class LLM:
     def __init__(self, model: str, **kwargs: object) -> None:
         """kwargs: EngineConfig's fields (vLLM's names): dtype, max_model_len, max_num_seqs, ..."""
         self.llm_engine = LLMEngine(EngineConfig(model, **kwargs))
+        # As vLLM: a deleted LLM (or one alive at exit) stops its tensor-parallel workers, so a
+        # script can build another engine after `del llm`.
+        self._finalizer = weakref.finalize(self, self.llm_engine.shutdown)
 
     def shutdown(self) -> None:
         """Stop the engine's tensor-parallel worker processes (a no-op without them)."""
-        self.llm_engine.shutdown()
+        self._finalizer()
 
     def get_tokenizer(self):  # noqa: ANN201 (a transformers tokenizer)
         return self.llm_engine.tokenizer

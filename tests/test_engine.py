@@ -290,10 +290,8 @@ def test_start_up_warm_up_step_wraps_around_a_small_cache(model_dir: str) -> Non
     # The GPU start-up runs the largest step once after the KV cache exists (so that its
     # activations' memory stays cached). Its block ids wrap around the cache, and the
     # garbage it writes there must not reach any request.
-    block_bytes = LLM(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN,
-                      block_size=BLOCK_SIZE).llm_engine.model_runner._kv_bytes_per_block()
     llm = LLM(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
-              kv_cache_memory_bytes=9 * block_bytes)
+              num_gpu_blocks_override=9)
     runner, config = llm.llm_engine.model_runner, llm.llm_engine.config
     step = runner._largest_step(runner.num_blocks)
     assert sum(step.num_new_tokens) == min(config.max_num_batched_tokens, config.max_num_seqs * MAX_MODEL_LEN)

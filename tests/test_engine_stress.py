@@ -53,11 +53,10 @@ def test_a_workload_with_preemption_hits_and_aborts(model_dir: str, reference: L
 def run_workload(seed: int, model_dir: str, reference: LLM) -> dict[str, int]:
     rng = random.Random(seed)
     workload = make_workload(rng)
-    block_bytes = reference.llm_engine.model_runner._kv_bytes_per_block()
     llm = LLM(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
               enable_prefix_caching=rng.random() < 0.8, max_num_seqs=rng.randrange(1, 9),
               max_num_batched_tokens=rng.randrange(1, 64),
-              kv_cache_memory_bytes=rng.randrange(MAX_MODEL_LEN // BLOCK_SIZE, 80) * block_bytes)
+              num_gpu_blocks_override=rng.randrange(MAX_MODEL_LEN // BLOCK_SIZE, 80))
     engine: LLMEngine = llm.llm_engine
     params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True) for _, max_tokens in workload]
     want = [list(o.outputs[0].token_ids) for o in reference.generate(

@@ -83,9 +83,8 @@ def test_chunked_prefill(model_dir: str) -> None:
 
 def test_preemption(model_dir: str) -> None:
     prompts = mixed_prompts(vocab(model_dir), seed=3)
-    block_bytes = make_llm(model_dir).llm_engine.model_runner._kv_bytes_per_block()
-    # Room for 18 blocks: one full-length sequence, far less than the batch needs.
-    llm = make_llm(model_dir, kv_cache_memory_bytes=18 * block_bytes, enable_prefix_caching=False)
+    # 18 blocks: one full-length sequence, far less than the batch needs.
+    llm = make_llm(model_dir, num_gpu_blocks_override=18, enable_prefix_caching=False)
     assert run(llm, prompts, max_tokens=24) == expected(model_dir, prompts, max_tokens=24)
     preemptions = llm.llm_engine.stats()["num_preemptions"]
     print("preemptions:", preemptions)
@@ -95,8 +94,7 @@ def test_preemption(model_dir: str) -> None:
 
 def test_cache_hits_chunks_and_preemption_together(model_dir: str) -> None:
     prompts = mixed_prompts(vocab(model_dir), seed=4)
-    block_bytes = make_llm(model_dir).llm_engine.model_runner._kv_bytes_per_block()
-    llm = make_llm(model_dir, kv_cache_memory_bytes=20 * block_bytes, max_num_batched_tokens=13)
+    llm = make_llm(model_dir, num_gpu_blocks_override=20, max_num_batched_tokens=13)
     want = expected(model_dir, prompts, max_tokens=20)
     assert run(llm, prompts, max_tokens=20) == want
     assert run(llm, prompts, max_tokens=20) == want

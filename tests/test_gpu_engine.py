@@ -40,9 +40,8 @@ def test_fp32_greedy_matches_hf(arch: str, tiny_model_factory) -> None:
     architecture, overrides = ARCHITECTURES[arch]
     model_dir = tiny_model_factory(architecture, **overrides)
     prompts = mixed_prompts(vocab(model_dir), seed=11)
-    block_bytes = gpu_llm(model_dir, enforce_eager=True).llm_engine.model_runner._kv_bytes_per_block()
     for kwargs in ({}, {"enforce_eager": True}, {"max_num_batched_tokens": 13},
-                   {"kv_cache_memory_bytes": 20 * block_bytes, "max_num_batched_tokens": 13}):
+                   {"num_gpu_blocks_override": 20, "max_num_batched_tokens": 13}):
         llm = gpu_llm(model_dir, **kwargs)
         for _ in range(2):  # the second run hits the prefix cache
             assert_greedy_matches_hf(model_dir, prompts, run(llm, prompts, max_tokens=20), max_tokens=20)

@@ -32,14 +32,13 @@ def test_chunked_prefill_and_preemption_match_tp1_and_hf(name: str, tiny_model_f
     model_dir = tiny_model_factory(architecture, **overrides)
     prompts = mixed_prompts(vocab(model_dir), seed=7)
     want = expected(model_dir, prompts, MAX_TOKENS)
-    block_bytes = make_llm(model_dir).llm_engine.model_runner._kv_bytes_per_block()
     # 20 blocks on every rank (a TP=2 rank's blocks hold half the KV heads): one
     # full-length sequence, far less than the batch needs, so sequences get preempted.
     kwargs = {"max_num_batched_tokens": 13}
-    tp1 = make_llm(model_dir, kv_cache_memory_bytes=20 * block_bytes, **kwargs)
+    tp1 = make_llm(model_dir, num_gpu_blocks_override=20, **kwargs)
     tp1_outputs = [run(tp1, prompts, MAX_TOKENS) for _ in range(2)]  # the second run hits the prefix cache
     tp1_stats = tp1.llm_engine.stats()
-    tp2 = make_llm(model_dir, kv_cache_memory_bytes=10 * block_bytes, tensor_parallel_size=2, **kwargs)
+    tp2 = make_llm(model_dir, num_gpu_blocks_override=20, tensor_parallel_size=2, **kwargs)
     try:
         tp2_outputs = [run(tp2, prompts, MAX_TOKENS) for _ in range(2)]
         stats = tp2.llm_engine.stats()
@@ -105,3 +104,20 @@ def test_gpu_tp2_matches_tp1(name: str, tiny_model_factory) -> None:
             assert run(tp2, prompts, MAX_TOKENS) == want, regime
         finally:
             tp2.shutdown()
+
+
+def test_deleting_an_llm_frees_its_workers(tiny_model_factory) -> None:
+    """As vLLM: `del llm` stops a tensor-parallel engine, so the next one can start."""
+    import gc
+
+    model_dir = tiny_model_factory("Qwen3ForCausalLM")
+    llm = make_llm(model_dir, tensor_parallel_size=2)
+    first = run(llm, [[5, 6, 7]], 4)
+    del llm
+    gc.collect()
+    assert not mp.active_children()
+    again = make_llm(model_dir, tensor_parallel_size=2)
+    try:
+        assert run(again, [[5, 6, 7]], 4) == first
+    finally:
+        again.shutdown()

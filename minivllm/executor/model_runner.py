@@ -193,7 +193,9 @@ class ModelRunner:
     def _num_kv_blocks(self) -> int:
         config = self.config
         block_bytes = self._kv_bytes_per_block()
-        if config.kv_cache_memory_bytes is not None:
+        if config.num_gpu_blocks_override is not None:
+            budget = config.num_gpu_blocks_override * block_bytes
+        elif config.kv_cache_memory_bytes is not None:
             budget = config.kv_cache_memory_bytes
         elif self.device.type == "cuda":
             budget = self._profile_free_gpu_memory()
@@ -208,7 +210,7 @@ class ModelRunner:
             raise ValueError(
                 f"The KV cache has room for {num_blocks * self.block_size} tokens, less than one sequence "
                 f"of max_model_len={config.max_model_len}: lower max_model_len, or give the cache more "
-                "memory (gpu_memory_utilization / kv_cache_memory_bytes).")
+                "memory (gpu_memory_utilization / kv_cache_memory_bytes / num_gpu_blocks_override).")
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), at most %.1f sequences of max_model_len",
                     num_blocks, self.block_size, num_blocks * block_bytes / 2**30,
                     num_blocks / config.max_blocks_per_seq)
