@@ -82,6 +82,9 @@ class InputProcessor:
         bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
         if bad_stops:
             raise ValueError(f"stop_token_ids {bad_stops[:5]} are outside the vocabulary [0, {vocab_size}).")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the tokenizer, which skip_tokenizer_init=True leaves out: "
+                             "use stop_token_ids instead.")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}.")
 
