@@ -1,1 +1,2 @@
-"""minivllm benchmarks (W1-W3 of BENCH.md); run the scripts from the repository root."""
+"""minivllm benchmarks: W1-W4 (throughput, latency, prefix_cache, serving) and, in kernels/,
+kernel microbenchmarks; run them as modules from the repository root (`python -m benchmarks.throughput`)."""

@@ -1,7 +1,7 @@
 """W2 — single-stream latency (BENCH.md): one request, 1,024-token prompt, 256 output
 tokens, greedy, ignore_eos.
 
-    python benchmarks/latency.py --model qwen3-0.6b [--runs 5]
+    python -m benchmarks.latency --model qwen3-0.6b [--runs 5]
 
 TTFT is the wall time of generate() with max_tokens=1; TPOT is (time for all output
 tokens - TTFT) / (output tokens - 1). Every call gets a fresh random prompt, so the
@@ -13,12 +13,19 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import (Request, add_common_args, make_llm, random_prompt, report,  # noqa: E402
-                               resolve_model, scaled, shutdown_llm, startup_metrics, timed_generate)
+from benchmarks.common import (
+    Request,
+    add_common_args,
+    make_llm,
+    random_prompt,
+    report,
+    resolve_model,
+    scaled,
+    shutdown_llm,
+    startup_metrics,
+    timed_generate,
+)
 
 W2_PROMPT_LEN = 1024
 W2_OUTPUT_LEN = 256

@@ -2,7 +2,7 @@
 distinct tokens and generates 128 (temperature 0.6, ignore_eos), run with prefix
 caching on and off (a fresh engine each, freed in between).
 
-    python benchmarks/prefix_cache.py --model qwen3-0.6b [--caching both|on|off]
+    python -m benchmarks.prefix_cache --model qwen3-0.6b [--caching both|on|off]
 
 Reports output tok/s both ways, their ratio, and the hit rate over the timed run from
 llm.llm_engine.stats() (prompt tokens found cached / prompt tokens looked up), next to
@@ -13,15 +13,26 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import (W1_TEMPERATURE, ModelSpec, Request, add_common_args,  # noqa: E402
-                               engine_stats, free_memory, make_llm, random_prompt, report, startup_metrics,
-                               resolve_model, scaled, shutdown_llm, stats_delta, timed_generate,
-                               warmup_llm)
+from benchmarks.common import (
+    W1_TEMPERATURE,
+    ModelSpec,
+    Request,
+    add_common_args,
+    engine_stats,
+    free_memory,
+    make_llm,
+    random_prompt,
+    report,
+    resolve_model,
+    scaled,
+    shutdown_llm,
+    startup_metrics,
+    stats_delta,
+    timed_generate,
+    warmup_llm,
+)
 
 W3_NUM_REQUESTS = 256
 W3_PREFIX_LEN = 2048

@@ -1,9 +1,9 @@
 """W1 — offline throughput on the seed's workload (BENCH.md).
 
-    python benchmarks/throughput.py --model qwen3-0.6b                 # minivllm
-    python benchmarks/throughput.py --model qwen3-0.6b --backend hf    # transformers baseline
-    python benchmarks/throughput.py --model /path/tiny --scale 0.02    # CPU smoke run
-    python benchmarks/throughput.py --model qwen3-0.6b --step-breakdown  # where the time goes
+    python -m benchmarks.throughput --model qwen3-0.6b                 # minivllm
+    python -m benchmarks.throughput --model qwen3-0.6b --backend hf    # transformers baseline
+    python -m benchmarks.throughput --model /path/tiny --scale 0.02    # CPU smoke run
+    python -m benchmarks.throughput --model qwen3-0.6b --step-breakdown  # where the time goes
 
 Start-up (construction: load, profile, graph capture) is timed apart from generate().
 --step-breakdown also sums the time between successive step launches by kind of step (prefill
@@ -15,7 +15,6 @@ steps' durations; an interval longer than its step's device time is the device w
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -25,11 +24,26 @@ from typing import Any, NamedTuple
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import (W1_NUM_PROMPTS, W1_TEMPERATURE, ModelSpec, Request, Timer,  # noqa: E402
-                               add_common_args, engine_stats, make_llm, report, resolve_model,
-                               shutdown_llm, startup_metrics, stats_delta, throughput_metrics,
-                               timed_generate, w1_requests, warmup_llm, warmup_prompt)
+from benchmarks.common import (
+    W1_NUM_PROMPTS,
+    W1_TEMPERATURE,
+    ModelSpec,
+    Request,
+    Timer,
+    add_common_args,
+    engine_stats,
+    make_llm,
+    report,
+    resolve_model,
+    shutdown_llm,
+    startup_metrics,
+    stats_delta,
+    throughput_metrics,
+    timed_generate,
+    w1_requests,
+    warmup_llm,
+    warmup_prompt,
+)
 
 
 def run_minivllm(args: argparse.Namespace, spec: ModelSpec, requests: list[Request]) -> dict[str, Any]:

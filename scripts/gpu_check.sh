@@ -64,7 +64,7 @@ run_step() {
 bench() {  # bench NAME SCRIPT ARGS...: a benchmark with the shared arguments
     local name="$1" script="$2"; shift 2
     # shellcheck disable=SC2086  # BENCH_ARGS is a word list on purpose
-    run_step "$name" python3 "benchmarks/$script" "$@" --json-out "$RESULTS" $BENCH_ARGS
+    run_step "$name" python3 -m "benchmarks.${script%.py}" "$@" --json-out "$RESULTS" $BENCH_ARGS
 }
 
 {
@@ -92,17 +92,17 @@ for step in ${GPU_CHECK//,/ }; do
         hf)    bench hf throughput.py --model qwen3-0.6b --backend hf --num-prompts 128 ;;
         w1_8b) bench w1_8b throughput.py --model qwen3-8b --step-breakdown ;;
         kernels)  # kernel microbenchmarks: decode/mixed attention, cascade, fused small ops
-            run_step attention_kernels python3 benchmarks/attention_kernels.py
-            run_step cascade_attention python3 benchmarks/cascade_attention.py
-            run_step fused_ops python3 benchmarks/fused_ops.py
-            run_step skinny_matmul python3 benchmarks/skinny_matmul.py
-            run_step sampler python3 benchmarks/sampler.py
-            run_step decode_w1 python3 benchmarks/decode_w1.py --every 64 --sweep ;;
+            run_step attention_kernels python3 -m benchmarks.kernels.attention_kernels
+            run_step cascade_attention python3 -m benchmarks.kernels.cascade_attention
+            run_step fused_ops python3 -m benchmarks.kernels.fused_ops
+            run_step skinny_matmul python3 -m benchmarks.kernels.skinny_matmul
+            run_step sampler python3 -m benchmarks.kernels.sampler
+            run_step decode_w1 python3 -m benchmarks.kernels.decode_w1 --every 64 --sweep ;;
         profile)  # where a decode step's time goes (host vs GPU, top kernels)
-            run_step profile_b256 python3 benchmarks/step_profile.py --batch 256 --context 1000
-            run_step profile_b1 python3 benchmarks/step_profile.py --batch 1 --context 1000
-            run_step profile_w3 python3 benchmarks/step_profile.py --batch 256 --shared-prefix 2048 --context 64
-            run_step profile_ttft python3 benchmarks/step_profile.py --prefill --context 1024 --steps 10 ;;
+            run_step profile_b256 python3 -m benchmarks.kernels.step_profile --batch 256 --context 1000
+            run_step profile_b1 python3 -m benchmarks.kernels.step_profile --batch 1 --context 1000
+            run_step profile_w3 python3 -m benchmarks.kernels.step_profile --batch 256 --shared-prefix 2048 --context 64
+            run_step profile_ttft python3 -m benchmarks.kernels.step_profile --prefill --context 1024 --steps 10 ;;
         *) echo "unknown step '$step' (steps: $ALL_STEPS)"; failed=1 ;;
     esac
 done

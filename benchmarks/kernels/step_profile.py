@@ -5,10 +5,10 @@ reach steady decoding, then times --steps engine steps: wall time per step, host
 per step (engine.step minus the wait for the device), and the CUDA kernel time per step
 from torch.profiler.
 
-    python benchmarks/step_profile.py --model qwen3-0.6b --batch 256 --context 1000
-    python benchmarks/step_profile.py --batch 256 --shared-prefix 2048 --context 64   # W3's decode
-    python benchmarks/step_profile.py --prefill --context 1024     # W2's time to first token
-    python benchmarks/step_profile.py --w1-start                   # W1's prompt steps
+    python -m benchmarks.kernels.step_profile --model qwen3-0.6b --batch 256 --context 1000
+    python -m benchmarks.kernels.step_profile --batch 256 --shared-prefix 2048 --context 64   # W3's decode
+    python -m benchmarks.kernels.step_profile --prefill --context 1024     # W2's time to first token
+    python -m benchmarks.kernels.step_profile --w1-start                   # W1's prompt steps
 
 --prefill times whole generate() calls of one fresh --context-token prompt and one output
 token instead: wall time per call against the GPU kernel time per call (the gap is host
@@ -22,18 +22,22 @@ import argparse
 import cProfile
 import pstats
 import random
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.common import (W1_TEMPERATURE, add_common_args, make_llm, random_prompt,  # noqa: E402
-                               resolve_model, synchronize, w1_requests, warmup_llm)
+from benchmarks.common import (
+    W1_TEMPERATURE,
+    add_common_args,
+    make_llm,
+    random_prompt,
+    resolve_model,
+    synchronize,
+    w1_requests,
+    warmup_llm,
+)
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Microbenchmark of the small per-token ops: torch eager vs torch.compile vs Triton (GPU only).
 
-    python benchmarks/fused_ops.py            # the table (< 1 min including compiles)
-    python benchmarks/fused_ops.py --sweep    # also try other launch configs of the Triton kernels
+    python -m benchmarks.kernels.fused_ops            # the table (< 1 min including compiles)
+    python -m benchmarks.kernels.fused_ops --sweep    # also try other launch configs of the Triton kernels
 
 Shapes are Qwen3-0.6B's (hidden 1024, intermediate 3072, 16 query heads, 8 KV heads,
 head_dim 128), bf16, for N = 1, 64, 256, 2048, 8192 tokens. Ops:
@@ -23,10 +23,8 @@ over the do_bench time. The last lines sum one decoder layer's share
 kernel that does nothing costs in a chain of dependent kernels in a CUDA graph.
 """
 
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import triton
@@ -34,12 +32,11 @@ import triton.language as tl
 import triton.testing
 from transformers import PretrainedConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, uninstalled
-from benchmarks.common import kernel_benchmark_args  # noqa: E402
-from minivllm.kernels import fused_ops  # noqa: E402
-from minivllm.layers.activation import SiluAndMul  # noqa: E402
-from minivllm.layers.norm import RMSNorm  # noqa: E402
-from minivllm.layers.rotary import RotaryEmbedding  # noqa: E402
+from benchmarks.common import kernel_benchmark_args
+from minivllm.kernels import fused_ops
+from minivllm.layers.activation import SiluAndMul
+from minivllm.layers.norm import RMSNorm
+from minivllm.layers.rotary import RotaryEmbedding
 
 H, INTER, HQ, HKV, D, MAX_POS, EPS = 1024, 3072, 16, 8, 128, 40960, 1e-6
 DTYPE = torch.bfloat16

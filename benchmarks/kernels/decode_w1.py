@@ -13,25 +13,23 @@ Variants: the engine's launch (the batch longest first, as the runner orders dec
 starts programs roughly in launch order, so no long context starts last and sets the launch's
 tail); the batch in admission order; and (--sweep) half and twice the engine's split count.
 
-    python benchmarks/decode_w1.py [--every 32] [--sweep]
+    python -m benchmarks.kernels.decode_w1 [--every 32] [--sweep]
 """
 
 import argparse
 import random
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import triton
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, uninstalled
-from benchmarks.common import DEFAULT_MAX_MODEL_LEN, shuffled_block_tables, w1_requests  # noqa: E402
-from minivllm.executor.cuda_graphs import graph_batch_sizes  # noqa: E402
-from minivllm.kernels import paged_attention as pa  # noqa: E402
-from minivllm.kernels import sm_count  # noqa: E402
+from benchmarks.common import DEFAULT_MAX_MODEL_LEN, shuffled_block_tables, w1_requests
+from minivllm.executor.cuda_graphs import graph_batch_sizes
+from minivllm.kernels import paged_attention as pa
+from minivllm.kernels import sm_count
 
 HQ, HKV, D, BLOCK = 16, 8, 128, 16
 DTYPE = torch.bfloat16

@@ -1,7 +1,7 @@
 """Microbenchmark of the Triton paged-attention kernels (GPU only).
 
-    python benchmarks/attention_kernels.py            # the configured kernels
-    python benchmarks/attention_kernels.py --sweep    # also try other tile configs / splits
+    python -m benchmarks.kernels.attention_kernels            # the configured kernels
+    python -m benchmarks.kernels.attention_kernels --sweep    # also try other tile configs / splits
 
 Shapes are Qwen3-0.6B's (16 query heads, 8 KV heads, head_dim 128, bf16, block size 16),
 pages shuffled across the cache as after a long serving run.
@@ -19,17 +19,14 @@ pages shuffled across the cache as after a long serving run.
 """
 
 import random
-import sys
-from pathlib import Path
 
 import torch
 import triton
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, uninstalled
-from benchmarks.common import kernel_benchmark_args, shuffled_block_tables  # noqa: E402
-from minivllm.kernels import sm_count  # noqa: E402
-from minivllm.kernels import paged_attention as pa  # noqa: E402
+from benchmarks.common import kernel_benchmark_args, shuffled_block_tables
+from minivllm.kernels import paged_attention as pa
+from minivllm.kernels import sm_count
 
 HQ, HKV, D, BLOCK = 16, 8, 128, 16
 DTYPE = torch.bfloat16

@@ -1,7 +1,7 @@
 """Cascade (shared-prefix) decode attention against the plain split-KV decode kernel (GPU only).
 
-    python benchmarks/cascade_attention.py            # the backend's heuristic split counts
-    python benchmarks/cascade_attention.py --sweep    # also other prefix tiles / split counts
+    python -m benchmarks.kernels.cascade_attention            # the backend's heuristic split counts
+    python -m benchmarks.kernels.cascade_attention --sweep    # also other prefix tiles / split counts
 
 W3's decode step (BENCH.md), one layer: Qwen3-0.6B heads (16 query, 8 KV, head_dim 128,
 bf16, block size 16), 256 sequences whose block tables all start with the same 128 blocks
@@ -14,18 +14,15 @@ once (its other row tiles hit L2), the suffixes once, and writes + reads its fp3
 """
 
 import random
-import sys
-from pathlib import Path
 
 import torch
 import triton
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, uninstalled
-from benchmarks.attention_kernels import BLOCK, DTYPE, HKV, HQ, PEAK_BW, D  # noqa: E402
-from benchmarks.common import kernel_benchmark_args  # noqa: E402
-from minivllm.kernels import sm_count  # noqa: E402
-from minivllm.kernels import paged_attention as pa  # noqa: E402
+from benchmarks.common import kernel_benchmark_args
+from benchmarks.kernels.attention_kernels import BLOCK, DTYPE, HKV, HQ, PEAK_BW, D
+from minivllm.kernels import paged_attention as pa
+from minivllm.kernels import sm_count
 
 NUM_SEQS = 256
 PREFIX_LEN = 2048

@@ -1,7 +1,7 @@
 """Microbenchmark of random sampling: the old torch passes vs the Gumbel-max kernel (GPU only).
 
-    python benchmarks/sampler.py            # the table (< 1 min)
-    python benchmarks/sampler.py --sweep    # also try other launch configs of the kernel
+    python -m benchmarks.kernels.sampler            # the table (< 1 min)
+    python -m benchmarks.kernels.sampler --sweep    # also try other launch configs of the kernel
 
 Logits [B, V] in bf16 (the lm head's dtype), V = 151,936 (Qwen3's vocabulary), B = 1, 64,
 256; every row random with temperature 0.6 (W1's sampling). Variants:
@@ -19,17 +19,14 @@ between calls). GB/s is the floor's traffic, the variant's input logits read onc
 the time; "% copy" compares it with a device-to-device copy's bandwidth.
 """
 
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import triton
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, uninstalled
-from benchmarks.common import kernel_benchmark_args  # noqa: E402
-from minivllm.kernels import sampling  # noqa: E402
+from benchmarks.common import kernel_benchmark_args
+from minivllm.kernels import sampling
 from minivllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from minivllm.sampling_params import SamplingParams
 

@@ -1,7 +1,7 @@
 """Small-batch linear layers: cuBLAS (F.linear) vs minivllm's skinny_matmul (GPU only).
 
-    python benchmarks/skinny_matmul.py           # the table (~1 min)
-    python benchmarks/skinny_matmul.py --sweep   # also other tiles and split-K counts of the Triton kernel
+    python -m benchmarks.kernels.skinny_matmul           # the table (~1 min)
+    python -m benchmarks.kernels.skinny_matmul --sweep   # also other tiles and split-K counts of the Triton kernel
 
 Qwen3-0.6B's and Qwen3-8B's projections (qkv, o, gate_up, down), bf16, at batch 1, 4, 8 and 16,
 captured in a CUDA graph as a decode step runs them (triton.testing.do_bench_cudagraph, median).
@@ -12,17 +12,14 @@ weights / bandwidth.
 """
 
 import itertools
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, uninstalled
-from benchmarks.common import kernel_benchmark_args  # noqa: E402
-from minivllm.kernels.skinny_matmul import skinny_matmul, skinny_matmul_config  # noqa: E402
+from benchmarks.common import kernel_benchmark_args
+from minivllm.kernels.skinny_matmul import skinny_matmul, skinny_matmul_config
 
 SHAPES = {  # name: (N, K)
     "0.6b qkv": (4096, 1024), "0.6b o": (1024, 2048), "0.6b gate_up": (6144, 1024), "0.6b down": (1024, 3072),
