@@ -4,8 +4,9 @@ The engine core process owns the LLMEngine and runs its step loop, which keeps t
 of one step's host work with the next step's GPU work; no HTTP handling, JSON or
 tokenization competes with it for a Python interpreter lock. This (API) process tokenizes
 and validates requests (bad input raises before anything is queued), sends them down a
-pipe, and gets each step's outputs back through another, read by a thread that hands them
-to the event loop in one callback per step. Outputs are deltas: each carries only the
+pipe (from a thread: a full pipe must not block the event loop), and gets each step's
+outputs back through another, read by a thread that hands them to the event loop in one
+callback per step. Outputs are deltas: each carries only the
 tokens and text that are new since the previous one.
 
 Messages, front to core: ("add", request_id, prompt_text, prompt_token_ids, params,
@@ -17,6 +18,7 @@ import asyncio
 import logging
 import multiprocessing as mp
 import pickle
+import queue
 import signal
 import threading
 import time
@@ -108,6 +110,7 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats: EngineStats = {}
+        self._stopping = False
         self._request_counter = 0
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="minivllm-tokenize")
         ctx = mp.get_context("spawn")  # forking a process that may have touched CUDA is unsafe
@@ -128,9 +131,13 @@ class AsyncLLM:
             self.engine_process.join()
             raise payload
         self._stats = payload
-        self._stopping = False
         self._reader = threading.Thread(target=self._read_results, name="minivllm-results", daemon=True)
         self._reader.start()
+        # Commands go down the pipe from a thread of their own: a write blocks while the pipe is
+        # full (the core reads between steps), and the event loop must never block.
+        self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_commands, name="minivllm-commands", daemon=True)
+        self._sender.start()
 
     # --- requests (call from the event loop) ------------------------------------------------
 
@@ -180,7 +187,7 @@ class AsyncLLM:
         stream = RequestStream(self, request_id, prompt_text, prompt_token_ids)
         self._streams[request_id] = stream
         self.metrics.on_request_added(request_id)
-        self._commands.send(("add", request_id, prompt_text, prompt_token_ids, params, arrival_time))
+        self._outbox.put(("add", request_id, prompt_text, prompt_token_ids, params, arrival_time))
         return stream
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
@@ -193,8 +200,7 @@ class AsyncLLM:
         """Stop a request; the engine frees its blocks at its next step boundary."""
         if self._streams.pop(request_id, None) is not None:
             self.metrics.on_request_aborted(request_id)
-            if self.is_running:
-                self._commands.send(("abort", request_id))
+            self._outbox.put(("abort", request_id))
 
     def engine_stats(self) -> EngineStats:
         """The engine's counters as of its latest step (or the latest change after one)."""
@@ -203,11 +209,9 @@ class AsyncLLM:
     def shutdown(self) -> None:
         """Stop the engine process (and its tensor-parallel workers)."""
         self._stopping = True
+        self._outbox.put(None)
+        self._sender.join()
         if self.engine_process.is_alive():
-            try:
-                self._commands.send(None)
-            except OSError:
-                pass  # it is going anyway
             self.engine_process.join(_STOP_TIMEOUT_S)
             if self.engine_process.is_alive():
                 self.engine_process.terminate()
@@ -235,7 +239,18 @@ class AsyncLLM:
             stream.put(error)
         self._streams.clear()
 
-    # --- the results thread -----------------------------------------------------------------
+    # --- the command and results threads ---------------------------------------------------
+
+    def _send_commands(self) -> None:
+        """Forward queued commands to the core until the stop command (None) is sent."""
+        while True:
+            command = self._outbox.get()
+            try:
+                self._commands.send(command)
+            except OSError:  # the core is gone: the results thread reports it
+                return
+            if command is None:
+                return
 
     def _read_results(self) -> None:
         """Hand each step's outputs to the event loop; log stats periodically; notice the
