@@ -37,7 +37,7 @@ class ScheduledBatch:
         """The batch with its leading one-token sequences (the decodes) ordered by context
         length, longest first; the rest as they are. The decode attention kernel starts its
         programs in batch order: this way no long context starts last and sets the launch's
-        tail (W1's decode attention: 3.90 s in admission order, 3.66 s longest first)."""
+        tail."""
         num_decodes = next((i for i, n in enumerate(self.num_new_tokens) if n != 1), len(self))
         order = sorted(range(num_decodes), key=self.num_computed_tokens.__getitem__, reverse=True)
         order += range(num_decodes, len(self))

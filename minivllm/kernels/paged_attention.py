@@ -1,7 +1,8 @@
 """Attention over the paged KV cache, in Triton.
 
-Two kernels share one inner step (`_attend_kv_tile`: scores for a tile of keys, online
-softmax update, weighted sum of values, all accumulated in fp32):
+Two kernels share one inner loop (`_attend_kv_tiles`: for each tile of keys, the scores, an
+online softmax update and the weighted sum of values, all accumulated in fp32); three entry
+points launch them:
 
 * `paged_attention_mixed` - any batch: prompt chunks attend causally to their cached prefix
   (read through the block table) and to themselves; decode rows (query length 1) ride in
@@ -12,8 +13,9 @@ softmax update, weighted sum of values, all accumulated in fp32):
   runs inside CUDA graphs. Flash-decoding: each (sequence, KV head) context is split into
   num_splits contiguous ranges handled by separate programs, so that small batches still
   fill the GPU; a second kernel merges the partial results through their log-sum-exps.
-  The query heads of a GQA group form the rows of one tile (padded to 16, the smallest
-  tl.dot M) so the scores and the value sum run on tensor cores and K/V are read once.
+  The query heads of a GQA group form the rows of one tile (padded to a power of two of at
+  least 16, the smallest tl.dot M) so the scores and the value sum run on tensor cores and
+  K/V are read once.
 
 * `paged_attention_decode_shared_prefix` - cascade decode, for batches whose sequences all
   begin with the same blocks (prefix caching): the same split kernel, launched once over
@@ -388,8 +390,8 @@ def mixed_config(head_dim: int, dtype: torch.dtype, gqa: int) -> dict:
     """Tile sizes for the mixed kernel: BLOCK_M = BLOCK_Q * GQA_PAD query rows per program.
 
     Shared memory per program is ~ (BLOCK_M + 2 * stages * BLOCK_N) * D * bytes and must
-    stay under the H100/H200's 227 KB. On an H200, bf16 D=128, an 8192-token causal prompt:
-    128 x 128 tiles, 8 warps, 2 stages ran at 331 TFLOP/s; 128 x 64 with 3 stages, 311.
+    stay under the H100/H200's 227 KB. The bf16/fp16 D <= 128 tiles were tuned on an
+    8192-token causal prompt (bf16, D=128) on an H200.
     """
     elt = torch.empty((), dtype=dtype).element_size()
     row_bytes = head_dim * elt
@@ -466,11 +468,10 @@ def paged_attention_mixed(
     return out
 
 
-# Split-KV heuristic constants (H200, benchmarks/attention_kernels.py --sweep and
-# benchmarks/decode_w1.py). With the default tiles (39 KB shared memory, ~120 registers)
-# 4 programs fit on an SM at once, but a split costs more than a short tail: on W1's batches
-# (~1,400-token contexts, longest first) 64 sequences x 8 KV heads took 100 us in 2 splits
-# and 89 us in 1; 40 x 8, 70 us either way; 24 x 8, 44 us in 3 splits and 60 in 1.
+# Split-KV heuristic, tuned on an H200 (benchmarks/kernels/attention_kernels.py --sweep, and
+# W1's decode batches in benchmarks/kernels/decode_w1.py). With the default tiles (39 KB
+# shared memory, ~120 registers) 4 programs fit on an SM at once, but aiming for 3 is faster
+# on W1: an extra split costs more than the short launch tail it removes.
 DECODE_PROGRAMS_PER_SM = 3  # aim for this many (seq, kv head, split) programs per SM
 DECODE_MIN_TOKENS_PER_SPLIT = 128  # a split shorter than this costs more than it saves
 DECODE_MAX_SPLITS = 32
@@ -479,8 +480,8 @@ DECODE_MAX_SPLITS = 32
 def decode_config(head_dim: int, dtype: torch.dtype) -> dict:
     """Tile sizes for the split-KV decode kernel (memory-bound: K/V tiles in flight matter).
 
-    H200, bf16 D=128, batch 256 x ctx ~1000: BLOCK_N 64 / 4 warps / 3 stages 253.5 us
-    (4.12 TB/s); 128/4/3 and 32/2/4 the same within noise; 8 warps 7-24% slower."""
+    Tuned for bf16 D=128 on an H200 (256 sequences of ~1,000 tokens); the wider rows keep
+    about the same bytes per K/V tile."""
     row_bytes = head_dim * torch.empty((), dtype=dtype).element_size()
     if row_bytes <= 256:
         return dict(BLOCK_N=64, num_warps=4, num_stages=3)
@@ -583,7 +584,7 @@ def _launch_decode_split(
     if mode == DECODE_SHARED_PREFIX:  # tiles of BLOCK_M (sequence, head) rows over all sequences
         block_m = cfg["BLOCK_M"]
         num_row_tiles = triton.cdiv(num_seqs * gqa, block_m)
-    else:  # one sequence's GQA group per program, padded to the smallest tl.dot M
+    else:  # one sequence's GQA group per program, padded to a power of two >= 16 (tl.dot's M)
         block_m = max(16, triton.next_power_of_2(gqa))
         num_row_tiles = num_seqs
     _decode_split_kernel[(num_kv_heads, num_splits, num_row_tiles)](
@@ -628,9 +629,10 @@ def _launch_decode_reduce(part_out, part_lse, out, num_parts: int) -> None:
 # ----------------------------------------------------------------------------------------
 # Cascade decode: a prefix shared by the whole batch is read once per tile of queries
 # ----------------------------------------------------------------------------------------
-# Untuned starting points (no GPU measurement yet; benchmarks/cascade_attention.py sweeps).
 # The prefix launch is compute-shaped (BLOCK_M x BLOCK_N tiles on tensor cores, K/V mostly
 # from L2), so aim for about one wave of programs: more splits only add workspace traffic.
+# (Chosen by that reasoning, not by a sweep; benchmarks/kernels/cascade_attention.py --sweep
+# times other split counts.)
 PREFIX_PROGRAMS_PER_SM = 1
 PREFIX_MIN_TOKENS_PER_SPLIT = 256
 

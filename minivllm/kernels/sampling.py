@@ -8,7 +8,8 @@ one is picked only from a row with no finite logit at all.
 Why a kernel: the torch way (a float32 copy, the division by T, a softmax, a [B, V] tensor
 of exponential noise, a division and an argmax) moves ~50 bytes per logit; this reads each
 logit once, in its own dtype, and draws the noise in registers: at B = 256, V = 151,936 in
-bf16 it reads 78 MB. benchmarks/sampler.py times both (--sweep tries other launch configs).
+bf16 it reads 78 MB. benchmarks/kernels/sampler.py times both (--sweep tries other launch
+configs).
 
 The noise. Token j of a row with seed s gets the 32-bit word j % 4 of Philox4x32-10 with
 key s and counter j // 4 (tl.randint4x: one Philox evaluation feeds four tokens; one per

@@ -2,11 +2,10 @@
 
 At batch 1 to 16 a linear layer only has to stream its weight matrix once, so its floor is
 the weight bytes over the memory bandwidth. cuBLAS's kernels for these shapes read Qwen3-0.6B's
-weights at ~0.8-1.6 TB/s on the H200 (benchmarks/step_profile.py at batch 1: 12.6 us for the
-12.6 MB gate_up projection, 5.3 us for the 4.2 MB o projection), a quarter of the bandwidth;
-the GEMMs were 0.85 ms of a 1.54 ms decode step. This kernel gives each program a strip of
-BLOCK_N weight rows, streamed along K in BLOCK_K tiles through a deep software pipeline,
-against all (up to 16) rows of x at once on the tensor cores (tl.dot's smallest M is 16).
+weights at about a quarter of the H200's bandwidth (benchmarks/kernels/step_profile.py at
+batch 1). This kernel gives each program a strip of BLOCK_N weight rows, streamed along K in
+BLOCK_K tiles through a deep software pipeline, against all (up to 16) rows of x at once on
+the tensor cores (tl.dot's smallest M is 16).
 
 Split-K: a weight with few strips (N = 1,024: 64 programs of 16 rows) would leave most SMs
 idle, each program streaming a long K alone. Then SPLIT_K programs share a strip's K; each
@@ -31,12 +30,10 @@ logger = logging.getLogger(__name__)
 
 # Largest batch this kernel serves (tl.dot's smallest M is 16).
 MAX_ROWS = 16
-# Largest batch the linear layers send here, for weights where beats_cublas(). On the H200
-# (benchmarks/skinny_matmul.py, weights from HBM) cuBLAS's heuristics pick a poor kernel for
-# Qwen3-0.6B's o projection below 8 rows (12.7 us, against this kernel's 6.1) and a good one
-# from 8 rows on (5.8 us); for the other shapes cuBLAS is as fast or faster at every size.
-# With split-K (session 8) this kernel also wins on o and down up to 16 rows (5.2 vs 5.8 and
-# 6.0 vs 7.9 us), but steps of 5-16 sequences are ~60 of W1's 1,040 (< 10 ms to gain): left at 4.
+# Largest batch the linear layers send here, for weights where beats_cublas() (timed at one
+# row). Tuned on Qwen3-0.6B's projections and W1's steps on an H200
+# (benchmarks/kernels/skinny_matmul.py): the kernel also beats cuBLAS on o and down up to 16
+# rows, but W1 has few steps of 5-16 sequences, so routing them too gains next to nothing.
 ROUTED_ROWS = 4
 
 
@@ -104,7 +101,8 @@ def _skinny_matmul_kernel(
 
 
 # Split-K launch heuristic: enough programs for this many per SM, but no split shorter than
-# MIN_K_PER_SPLIT columns of K (first guesses, to be swept on the GPU).
+# MIN_K_PER_SPLIT columns of K (each split adds a partial-sum write and a share of the
+# reduction). On an H200 they give Qwen3-0.6B's o and down projections 4 splits each.
 PROGRAMS_PER_SM = 2
 MIN_K_PER_SPLIT = 512
 MAX_SPLIT_K = 8
@@ -112,10 +110,11 @@ MAX_SPLIT_K = 8
 
 @functools.cache  # called by every eager skinny_matmul: the split heuristic once per shape
 def skinny_matmul_config(dtype: torch.dtype, n: int, k: int, device: torch.device) -> dict:
-    """Tiles: 16 weight rows per program, 256 columns of K per step, 4 tiles in flight (32 KB
-    of bf16 weights per program); SPLIT_K programs per strip where the strips alone would
-    not fill the GPU (N = 1,024 has 64 strips). First guesses, to be swept on the GPU
-    (benchmarks/skinny_matmul.py). The returned dict is shared: read it, don't change it."""
+    """Tiles: 16 weight rows per program, 256 columns of K per step (128 in fp32), 4 tiles in
+    flight (32 KB of weights per program); SPLIT_K programs per strip where the strips alone
+    would not fill the GPU (N = 1,024 has 64 strips). benchmarks/kernels/skinny_matmul.py
+    --sweep times other tiles and split counts. The returned dict is shared: read it, don't
+    change it."""
     block_n, block_k = 16, 256 if dtype.itemsize == 2 else 128
     split_k = split_count(PROGRAMS_PER_SM * sm_count(device), triton.cdiv(n, block_n), k,
                           max(MIN_K_PER_SPLIT, block_k), MAX_SPLIT_K)
