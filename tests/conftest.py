@@ -1,4 +1,6 @@
-"""Shared fixtures: the demo tokenizer and tiny random checkpoints, built once per session."""
+"""Shared fixtures (the demo tokenizer and tiny random checkpoints, built once per session)
+and shared helpers of the kernel tests: their device, the CUDA marker, the attention
+tolerances and the float64 attention reference."""
 
 from __future__ import annotations
 
@@ -15,6 +17,21 @@ import torch
 # anything (transformers, via torch._dynamo) imports triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Where the kernel tests put their tensors: the CPU under the interpreter (small shapes,
+# fp32/fp16: it mishandles bf16), else the GPU.
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+# With @pytest.mark.gpu (which the default run deselects): skipped without CUDA.
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# Attention kernels against reference_attention, (atol, rtol) per dtype: inputs rounded to
+# the dtype, fp32 accumulation, probabilities rounded to the dtype before the P @ V matmul
+# (as in FlashAttention).
+ATTENTION_TOL = {
+    torch.float32: (2e-4, 2e-4),
+    torch.float16: (4e-3, 1e-2),
+    torch.bfloat16: (3e-2, 3e-2),
+}
 
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
@@ -75,3 +92,32 @@ def cascade_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(triton_backend, "paged_attention_decode_shared_prefix", spy)
     return calls
+
+
+def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                        block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """Paged causal attention in float64, naively: gather each sequence's pages, explicit
+    causal mask (a sequence's queries are its last tokens), softmax. Rows of sequences with
+    no query or no key stay zero."""
+    num_q_heads = q.shape[1]
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    gqa = num_q_heads // num_kv_heads
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        q_len = qsl[b + 1] - qsl[b]
+        if q_len == 0 or seq_len == 0:
+            continue
+        blocks = block_tables[b, : -(-seq_len // block_size)].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].double()
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].double()
+        k = k.repeat_interleave(gqa, dim=1)  # query head h uses kv head h // gqa
+        v = v.repeat_interleave(gqa, dim=1)
+        qb = q[qsl[b]: qsl[b + 1]].double()
+        scores = torch.einsum("qhd,khd->hqk", qb, k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[qsl[b]: qsl[b + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out

@@ -6,7 +6,6 @@ Without CUDA the kernels run in Triton's interpreter (small shapes, fp32/fp16); 
 `gpu`-marked tests use W3's shapes (256 sequences over a 2,048-token prefix, bf16).
 """
 
-import os
 import random
 
 import pytest
@@ -16,14 +15,7 @@ import triton
 import minivllm.kernels.paged_attention as pa
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.attention.triton_backend import TritonAttentionBackend
-
-# tests/conftest.py sets TRITON_INTERPRET=1 when there is no CUDA.
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-# (atol, rtol): inputs rounded to the dtype, fp32 accumulation, probabilities rounded to
-# the dtype before P @ V (as in the plain decode kernel's tests).
-TOL = {torch.float32: (2e-4, 2e-4), torch.float16: (4e-3, 1e-2), torch.bfloat16: (3e-2, 3e-2)}
+from tests.conftest import ATTENTION_TOL, DEVICE, reference_attention, requires_cuda
 
 
 class CascadeBatch:
@@ -77,21 +69,13 @@ class CascadeBatch:
                                          self.block_tables, self.scale, num_splits)
 
     def reference(self) -> torch.Tensor:
-        """Per sequence: gather its pages, softmax over all its keys, in float64."""
-        block_size, num_kv_heads, head_dim = self.k_cache.shape[1:]
-        gqa = self.q.shape[1] // num_kv_heads
-        out = torch.empty(self.q.shape, dtype=torch.float64, device=DEVICE)
-        for b, seq_len in enumerate(self.seq_lens_cpu):
-            pages = self.block_tables[b, :triton.cdiv(seq_len, block_size)].long()
-            k = self.k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len].double()
-            v = self.v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len].double()
-            scores = torch.einsum("hd,khd->hk", self.q[b].double(), k.repeat_interleave(gqa, 1))
-            probs = (scores * self.scale).softmax(-1)
-            out[b] = torch.einsum("hk,khd->hd", probs, v.repeat_interleave(gqa, 1))
-        return out
+        """Per sequence: its one query over all its keys, in float64."""
+        query_start_loc = torch.arange(len(self.seq_lens_cpu) + 1, device=DEVICE)
+        return reference_attention(self.q, self.k_cache, self.v_cache, query_start_loc,
+                                   self.seq_lens, self.block_tables, self.scale)
 
     def check(self, out: torch.Tensor) -> None:
-        atol, rtol = TOL[self.dtype]
+        atol, rtol = ATTENTION_TOL[self.dtype]
         assert out.dtype == self.dtype and not torch.isnan(out).any()
         torch.testing.assert_close(out.double(), self.reference(), atol=atol, rtol=rtol)
 
@@ -166,7 +150,7 @@ def test_backend_takes_cascade_path(monkeypatch):
 # GPU: W3's shapes, compiled kernels (pytest -m gpu)
 # ----------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@gpu
+@requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gpu_cascade_w3(dtype):
     """256 sequences, a 2,048-token shared prefix plus 64..192 own tokens, Qwen3-0.6B heads,
@@ -177,12 +161,12 @@ def test_gpu_cascade_w3(dtype):
     out = TritonAttentionBackend(16, 8, 128, max_num_seqs=256).attend(
         batch.q, batch.k_cache, batch.v_cache, batch.meta(), batch.scale)
     batch.check(out)
-    atol, rtol = TOL[dtype]
+    atol, rtol = ATTENTION_TOL[dtype]
     torch.testing.assert_close(out.float(), batch.plain().float(), atol=atol, rtol=rtol)
 
 
 @pytest.mark.gpu
-@gpu
+@requires_cuda
 @pytest.mark.parametrize("gqa", [1, 2, 4, 8])
 @pytest.mark.parametrize("head_dim,block_size", [(64, 32), (128, 16), (256, 16), (128, 8)])
 def test_gpu_cascade_layouts(gqa, head_dim, block_size):

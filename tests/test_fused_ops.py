@@ -8,8 +8,6 @@ interpreter (small shapes, fp32/fp16: the interpreter mishandles bf16); with CUD
 compiled, and the `gpu`-marked tests add realistic shapes, bf16 and CUDA-graph capture.
 """
 
-import os
-
 import pytest
 import torch
 from transformers import PretrainedConfig
@@ -18,14 +16,10 @@ from minivllm.kernels import fused_ops
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.rotary import RotaryEmbedding
+from tests.conftest import DEVICE, requires_cuda
 
-# Without CUDA the kernels run in Triton's interpreter: tests/conftest.py sets
-# TRITON_INTERPRET=1 before anything imports triton.
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRET else "cuda"
 CPU_DTYPES = [torch.float32, torch.float16]
 GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 EPS = 1e-6
 
 
@@ -254,7 +248,7 @@ def test_bad_inputs_are_rejected():
 # GPU: realistic shapes, bf16, CUDA graphs
 # ----------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@gpu
+@requires_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("hidden", [1024, 4096, 5120])
 @pytest.mark.parametrize("num_tokens", [1, 257, 8192])
@@ -270,7 +264,7 @@ def test_gpu_norms_realistic(dtype, hidden, num_tokens):
 
 
 @pytest.mark.gpu
-@gpu
+@requires_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8)])
@@ -280,7 +274,7 @@ def test_gpu_qk_norm_rope_store_realistic(dtype, qk_norm, hq, hkv):
 
 
 @pytest.mark.gpu
-@gpu
+@requires_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("inter", [3072, 12288, 1000])
 @pytest.mark.parametrize("num_tokens", [1, 4097])
@@ -290,7 +284,7 @@ def test_gpu_silu_and_mul_realistic(dtype, inter, num_tokens):
 
 
 @pytest.mark.gpu
-@gpu
+@requires_cuda
 def test_gpu_cuda_graph_capture():
     """All four ops in one captured graph, replayed on new inputs, match eager calls."""
     dtype, n, hidden, inter, hq, hkv, d = torch.bfloat16, 64, 1024, 3072, 16, 8, 128

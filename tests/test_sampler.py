@@ -215,17 +215,18 @@ def chi_square(sampled: torch.Tensor, expected: torch.Tensor) -> tuple[float, in
                                   {"temperature": 2.0, "min_p": 0.05}])
 def test_chi_square_against_softmax(case: dict) -> None:
     """50k draws over a 40-token vocabulary (with and without filters, which take the
-    pre-scaled path) against softmax(logits / T) over the kept tokens. The statistic has
-    mean df and std sqrt(2 df); df + 8 std has p < 1e-6, and a sampler off by a few
-    percent on a likely token lands far above it."""
+    pre-scaled path) against softmax(logits / T) over the tokens the reference filters
+    keep. The statistic has mean df and std sqrt(2 df); df + 8 std has p < 1e-6, and a
+    sampler off by a few percent on a likely token lands far above it."""
     torch.manual_seed(99)
     vocab, n = 40, 50_000
     row = random_logits(1, vocab, seed=11)[0] / 2
     params = SamplingParams(**case)
     meta = build(make_rows([params] * n), vocab)
     sampled = Sampler()(row.expand(n, vocab).contiguous(), meta).sampled_token_ids
-    processed = Sampler().processed_logits(row.unsqueeze(0), build(make_rows([params]), vocab))[0]
-    stat, df = chi_square(sampled, torch.softmax(processed, -1))
+    scaled = row / case["temperature"]
+    dropped = torch.tensor([i not in reference_allowed(scaled, case) for i in range(vocab)])
+    stat, df = chi_square(sampled, torch.softmax(scaled.double().masked_fill(dropped, -INF), -1))
     assert stat < df + 8 * math.sqrt(2 * df), (stat, df)
 
 

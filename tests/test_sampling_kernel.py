@@ -51,16 +51,16 @@ def assert_is_argmax(sampled: torch.Tensor, scores: torch.Tensor) -> None:
 
 
 def test_philox_words_match_triton() -> None:
-    """The reference's noise source is the kernel's: with two equal finite logits (tokens 2
-    and 5, two different Philox counters) the kernel picks the one whose reference noise is
-    larger."""
-    seed = 0x1234_5678_9ABC_DEF
-    words = philox_words(seed, 8)
-    noise = gumbel_noise(words)
-    logits = torch.full((1, 8), -INF)
-    logits[0, 2], logits[0, 5] = 0.0, 0.0
-    sampled = sampling.gumbel_max_sample(logits, torch.tensor([seed]))
-    assert sampled.item() == (2 if noise[2] > noise[5] else 5)
+    """The reference's noise source is the kernel's: with all logits equal, the kernel's
+    token is the argmax of the reference noise, exactly. Each of the 16 rows (keys with
+    and without high bits) would match by chance with probability 1/256 if the kernel
+    drew other words: all of them, 2**-128."""
+    vocab = 256  # 64 Philox counters, all four words of each
+    seeds = torch.tensor([0, 1, 7, 2**32 - 1, 2**32, 0x1234_5678_9ABC_DEF, 2**63 - 1]
+                         + [(2**61 + 977 * i) * (1 + i % 3) for i in range(9)], dtype=torch.int64)
+    noise = torch.stack([gumbel_noise(philox_words(int(s), vocab)) for s in seeds])
+    sampled = sampling.gumbel_max_sample(torch.zeros(len(seeds), vocab), seeds)
+    assert sampled.tolist() == noise.argmax(dim=1).tolist()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

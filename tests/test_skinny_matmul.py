@@ -4,8 +4,6 @@ Without CUDA the kernel runs in Triton's interpreter (small shapes, fp32/fp16); 
 `gpu`-marked tests use Qwen3-0.6B / -8B projection shapes in every dtype.
 """
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,9 +11,8 @@ import torch.nn.functional as F
 from minivllm.kernels import skinny_matmul as skinny_module
 from minivllm.kernels.skinny_matmul import MAX_ROWS, ROUTED_ROWS, skinny_matmul
 from minivllm.layers.linear import linear
+from tests.conftest import DEVICE, requires_cuda
 
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 # fp32 accumulation in another order than float64; 16-bit outputs: one rounding of the result.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -71,19 +68,31 @@ def test_strided_rows_and_empty_batch():
 
 
 def test_linear_layers_route_only_small_batches_of_chosen_weights(monkeypatch):
+    # The stand-in kernel answers something no matmul would, so each result says which
+    # path made it; the other path must give x @ W^T + b (float64, written here).
     rows_seen: list[int] = []
-    monkeypatch.setattr(skinny_module, "skinny_matmul",
-                        lambda x, w, b: rows_seen.append(x.shape[0]) or F.linear(x, w, b))
-    weight = torch.randn(8, 16)
-    for rows in (1, ROUTED_ROWS, ROUTED_ROWS + 1):
-        torch.testing.assert_close(linear(torch.ones(rows, 16), weight, None, use_skinny=True),
-                                   F.linear(torch.ones(rows, 16), weight))
-    linear(torch.ones(1, 16), weight, None, use_skinny=False)  # a weight where cuBLAS was faster
+
+    def stand_in(x, w, b):
+        rows_seen.append(x.shape[0])
+        return torch.full((x.shape[0], w.shape[0]), 1234.0)
+
+    monkeypatch.setattr(skinny_module, "skinny_matmul", stand_in)
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(8, 16, generator=gen), torch.randn(8, generator=gen)
+    for rows, use_skinny in [(1, True), (ROUTED_ROWS, True), (ROUTED_ROWS + 1, True),
+                             (1, False)]:  # use_skinny=False: a weight where cuBLAS was faster
+        x = torch.randn(rows, 16, generator=gen)
+        got = linear(x, weight, bias, use_skinny=use_skinny)
+        if use_skinny and rows <= ROUTED_ROWS:
+            assert torch.equal(got, torch.full((rows, 8), 1234.0)), (rows, use_skinny)
+        else:
+            want = (x.double() @ weight.double().T + bias.double()).float()
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert rows_seen == [1, ROUTED_ROWS]
 
 
 @pytest.mark.gpu
-@gpu
+@requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072),  # Qwen3-0.6B
                                  (6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)])  # Qwen3-8B
@@ -101,7 +110,7 @@ def test_start_up_choice_refuses_a_kernel_that_disagrees(monkeypatch, caplog):
 
 
 @pytest.mark.gpu
-@gpu
+@requires_cuda
 def test_gpu_beats_cublas_times_each_shape_once(monkeypatch):
     import triton.testing
 

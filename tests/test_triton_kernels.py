@@ -1,11 +1,10 @@
-"""Triton attention kernels against a naive float64 reference written here.
+"""Triton attention kernels against a naive float64 reference (tests/conftest.py).
 
 On a machine without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1,
 small shapes, fp32/fp16: the interpreter mishandles bf16). With CUDA they run compiled,
 and the `gpu`-marked tests add realistic shapes (`pytest -m gpu`).
 """
 
-import os
 import random
 
 import pytest
@@ -16,51 +15,12 @@ import minivllm.attention.triton_backend as triton_backend
 import minivllm.kernels.kv_store as kv_store
 import minivllm.kernels.paged_attention as paged_attention
 from minivllm.attention.metadata import AttentionMetadata
-
-# Without CUDA the kernels run in Triton's interpreter: tests/conftest.py sets
-# TRITON_INTERPRET=1 before anything imports triton.
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRET else "cuda"
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-# (atol, rtol) per dtype: inputs are rounded to the dtype, accumulation is fp32; the
-# probabilities are rounded to the dtype before the P @ V matmul (as in FlashAttention).
-TOL = {
-    torch.float32: (2e-4, 2e-4),
-    torch.float16: (4e-3, 1e-2),
-    torch.bfloat16: (3e-2, 3e-2),
-}
+from tests.conftest import ATTENTION_TOL, DEVICE, reference_attention, requires_cuda
 
 
 # ----------------------------------------------------------------------------------------
-# Reference and input builders
+# Input builders (the reference, reference_attention, is in tests/conftest.py)
 # ----------------------------------------------------------------------------------------
-def reference_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale):
-    """Gather each sequence's pages, explicit causal mask, softmax in float64."""
-    num_q_heads = q.shape[1]
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    gqa = num_q_heads // num_kv_heads
-    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
-    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
-    for b, seq_len in enumerate(lens):
-        q_len = qsl[b + 1] - qsl[b]
-        if q_len == 0 or seq_len == 0:
-            continue
-        blocks = block_tables[b, : triton.cdiv(seq_len, block_size)].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].double()
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].double()
-        k = k.repeat_interleave(gqa, dim=1)  # query head h uses kv head h // gqa
-        v = v.repeat_interleave(gqa, dim=1)
-        qb = q[qsl[b]: qsl[b + 1]].double()
-        scores = torch.einsum("qhd,khd->hqk", qb, k) * scale
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        out[qsl[b]: qsl[b + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-    return out
-
-
 def make_batch(q_lens, seq_lens, block_size, share_blocks=0, extra_blocks=5, seed=0):
     """Block tables over a shuffled pool of blocks (so pages are never contiguous).
 
@@ -99,8 +59,8 @@ def random_q(num_tokens, num_q_heads, head_dim, dtype, seed=2):
     return torch.randn(num_tokens, num_q_heads, head_dim, generator=g).to(dtype).to(DEVICE)
 
 
-def check(out, ref, dtype, rows=None):
-    atol, rtol = TOL[dtype]
+def check(out, ref, dtype):
+    atol, rtol = ATTENTION_TOL[dtype]
     assert not torch.isnan(out).any(), "NaN in kernel output"
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
 
@@ -305,7 +265,7 @@ GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
 @pytest.mark.gpu
-@gpu
+@requires_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 def test_gpu_decode_realistic(dtype):
     """64 sequences, contexts up to 4k, Qwen3-like heads (16 q / 8 kv, D 128)."""
@@ -320,7 +280,7 @@ def test_gpu_decode_realistic(dtype):
 
 
 @pytest.mark.gpu
-@gpu
+@requires_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("gqa", [1, 2, 4, 8])
 def test_gpu_decode_small_batch_many_splits(dtype, gqa):
@@ -331,7 +291,7 @@ def test_gpu_decode_small_batch_many_splits(dtype, gqa):
 
 
 @pytest.mark.gpu
-@gpu
+@requires_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("head_dim,block_size", [(128, 16), (64, 32), (256, 16)])
 def test_gpu_mixed_realistic(dtype, head_dim, block_size):
@@ -347,7 +307,7 @@ def test_gpu_mixed_realistic(dtype, head_dim, block_size):
 
 
 @pytest.mark.gpu
-@gpu
+@requires_cuda
 def test_gpu_mixed_prefill_first():
     """Prompt chunks before the decodes: everything goes through the mixed kernel."""
     gen = random.Random(7)
@@ -359,7 +319,7 @@ def test_gpu_mixed_prefill_first():
 
 
 @pytest.mark.gpu
-@gpu
+@requires_cuda
 def test_gpu_decode_cuda_graph():
     """Capture a decode step once, replay it with other lengths: same as eager."""
     num_seqs, hq, hkv, d, bs = 32, 16, 8, 128, 16
