@@ -90,7 +90,7 @@ def resolve_model(model: str, load_format: str = "auto") -> ModelSpec:
     if os.path.isdir(model):
         path = model
     else:
-        from minivllm.demo import PRESETS, write_preset
+        from benchmarks.presets import PRESETS, write_preset
 
         if model not in PRESETS:
             raise SystemExit(f"--model {model!r} is neither a directory nor a preset "

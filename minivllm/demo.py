@@ -8,7 +8,6 @@ models from this file:
 - `build_tiny_model`: a sub-megabyte Llama/Qwen2/Qwen3/Mistral checkpoint with
   random weights large enough that greedy decoding says something varied.
 - `demo_model_dir`: a cached tiny Qwen3 model for `minivllm generate` without --model.
-- `PRESETS` / `write_preset`: real model shapes (config only) for load_format="dummy".
 """
 
 from __future__ import annotations
@@ -291,63 +290,3 @@ def demo_model_dir() -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
-
-
-# Real model shapes (the public config.json files), for benchmarks with random weights.
-_QWEN3_COMMON: dict[str, Any] = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 151643,
-    "eos_token_id": 151645,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "initializer_range": 0.02,
-    "max_position_embeddings": 40960,
-    "model_type": "qwen3",
-    "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-6,
-    "rope_scaling": None,
-    "rope_theta": 1000000.0,
-    "sliding_window": None,
-    "torch_dtype": "bfloat16",
-    "use_cache": True,
-    "use_sliding_window": False,
-    "vocab_size": 151936,
-}
-PRESETS: dict[str, dict[str, Any]] = {
-    "qwen3-0.6b": {
-        **_QWEN3_COMMON,
-        "hidden_size": 1024,
-        "intermediate_size": 3072,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 16,
-        "max_window_layers": 28,
-        "tie_word_embeddings": True,
-    },
-    "qwen3-8b": {
-        **_QWEN3_COMMON,
-        "hidden_size": 4096,
-        "intermediate_size": 12288,
-        "num_hidden_layers": 36,
-        "num_attention_heads": 32,
-        "max_window_layers": 36,
-        "tie_word_embeddings": False,
-    },
-}
-
-
-def write_preset(name: str, save_dir: str) -> str:
-    """Write a preset's config.json and the demo tokenizer (no weights: load it with
-    load_format="dummy") to save_dir; return save_dir."""
-    if name not in PRESETS:
-        raise ValueError(f"Unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}.")
-    tokenizer = build_tokenizer(save_dir)
-    config = dict(PRESETS[name])
-    config.pop("model_type")  # implied by the config class
-    # Stop ids must mean something to the tokenizer that ships with the preset: use the
-    # demo tokenizer's <|endoftext|> (ids past its 768 tokens decode to nothing).
-    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    config.update(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
-    transformers.Qwen3Config(**config).save_pretrained(save_dir)
-    return save_dir

@@ -12,8 +12,14 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedTokenizerFast,
+)
 
+from benchmarks import presets
 from minivllm import demo
 
 TinyModelFactory = Callable[..., str]  # the tiny_model_factory fixture (conftest.py)
@@ -160,11 +166,11 @@ def test_demo_model_dir_is_built_once(tmp_path: Path, monkeypatch: pytest.Monkey
 
 # -- presets ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", sorted(demo.PRESETS))
+@pytest.mark.parametrize("name", sorted(presets.PRESETS))
 def test_presets_write_loadable_configs(name: str, tmp_path: Path) -> None:
-    path = demo.write_preset(name, str(tmp_path))
+    path = presets.write_preset(name, str(tmp_path))
     config = AutoConfig.from_pretrained(path)
-    preset = demo.PRESETS[name]
+    preset = presets.PRESETS[name]
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings",
                 "max_position_embeddings", "rms_norm_eps"):
@@ -182,7 +188,7 @@ def test_presets_write_loadable_configs(name: str, tmp_path: Path) -> None:
 
 
 def test_presets_are_the_public_shapes() -> None:
-    small, big = demo.PRESETS["qwen3-0.6b"], demo.PRESETS["qwen3-8b"]
+    small, big = presets.PRESETS["qwen3-0.6b"], presets.PRESETS["qwen3-8b"]
     assert (small["hidden_size"], small["num_hidden_layers"], small["num_attention_heads"]) == (1024, 28, 16)
     assert small["tie_word_embeddings"] and not big["tie_word_embeddings"]
     assert (big["hidden_size"], big["intermediate_size"], big["num_hidden_layers"]) == (4096, 12288, 36)
@@ -190,4 +196,4 @@ def test_presets_are_the_public_shapes() -> None:
 
 def test_unknown_preset_names_the_known_ones(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="qwen3-0.6b.*qwen3-8b"):
-        demo.write_preset("llama-70b", str(tmp_path))
+        presets.write_preset("llama-70b", str(tmp_path))
