@@ -5,7 +5,9 @@
 #   run("bash .vl/tools/stage.sh && bash .vl/tools/install.sh > /tmp/install.log && bash scripts/w4_pair.sh",
 #       carry=[".vl/tools", ".vl/b4", ".whl"])
 # .whl, when carried, holds an httptools wheel that both servers get (a pip install of either
-# has it; the peer's wheel set does not). Each server's results are packed into $OUT as soon as
+# has it; the peer's wheel set does not). Make it here, once (.whl is git-ignored):
+#   echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: \
+#     --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl httptools Each server's results are packed into $OUT as soon as
 # it is done, so a call cut short still returns the first; W4_SERVER_LIMIT caps each server's
 # share of the call (seconds, default 290: a call may run 600 s and vLLM alone starts in ~2 min).
 set -u
