@@ -169,26 +169,44 @@ class AsyncLLM:
                           request_id: str | None = None, arrival_time: float | None = None) -> RequestStream:
         """Validate and queue a request. Raises ValueError on bad input (nothing is queued)
         and EngineDeadError once the engine has stopped."""
+        (stream,) = await self.add_requests([prompt], params, [request_id], arrival_time)
+        return stream
+
+    async def add_requests(self, prompts: list[PromptType], params: SamplingParams | None,
+                           request_ids: list[str | None], arrival_time: float | None = None) -> list[RequestStream]:
+        """Validate every prompt, then queue them all (request id None: a fresh one); a bad
+        prompt raises ValueError and none is queued."""
         if not self.is_running:
             raise EngineDeadError("The engine has stopped; restart the server.") from self.dead_error
         arrival_time = arrival_time or time.time()
-        if isinstance(prompt, str) or (isinstance(prompt, dict) and set(prompt) == {"prompt"}):
-            text = prompt if isinstance(prompt, str) else prompt["prompt"]
-            if isinstance(text, str):
-                prompt = {"prompt": text, "prompt_token_ids": await self.encode(text)}
         params = params or SamplingParams()
-        if request_id is None:
-            self._request_counter += 1
-            request_id = str(self._request_counter)
-        if request_id in self._streams:
-            raise ValueError(f"Request id {request_id!r} is already in use.")
-        prompt_text, prompt_token_ids = self.input_processor.process(prompt, params)
+        checked = [self.input_processor.process(await self._with_token_ids(prompt), params) for prompt in prompts]
+        request_ids = [request_id or self._next_request_id() for request_id in request_ids]
+        in_use = set(self._streams)
+        for request_id in request_ids:
+            if request_id in in_use:
+                raise ValueError(f"Request id {request_id!r} is already in use.")
+            in_use.add(request_id)
         self._loop = asyncio.get_running_loop()  # where outputs go
-        stream = RequestStream(self, request_id, prompt_text, prompt_token_ids)
-        self._streams[request_id] = stream
-        self.metrics.on_request_added(request_id)
-        self._outbox.put(("add", request_id, prompt_text, prompt_token_ids, params, arrival_time))
-        return stream
+        streams = []
+        for request_id, (prompt_text, prompt_token_ids) in zip(request_ids, checked):
+            stream = RequestStream(self, request_id, prompt_text, prompt_token_ids)
+            self._streams[request_id] = stream
+            self.metrics.on_request_added(request_id)
+            self._outbox.put(("add", request_id, prompt_text, prompt_token_ids, params, arrival_time))
+            streams.append(stream)
+        return streams
+
+    def _next_request_id(self) -> str:
+        self._request_counter += 1
+        return str(self._request_counter)
+
+    async def _with_token_ids(self, prompt: PromptType) -> PromptType:
+        """A text prompt with its token ids, tokenized off the event loop (see encode)."""
+        text = prompt.get("prompt") if isinstance(prompt, dict) and set(prompt) == {"prompt"} else prompt
+        if isinstance(text, str):
+            return {"prompt": text, "prompt_token_ids": await self.encode(text)}
+        return prompt
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:

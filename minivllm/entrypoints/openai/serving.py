@@ -132,20 +132,12 @@ class OpenAIServing:
 
     async def _start(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
                      request_id: str) -> list[RequestStream]:
-        """One engine request per prompt; all or none: every prompt is checked first."""
-        for text, token_ids in prompts:
+        """One engine request per prompt; all or none (every prompt is checked first)."""
+        for _, token_ids in prompts:
             self._check_length(len(token_ids), params.max_tokens)
-            self.engine.input_processor.process({"prompt": text, "prompt_token_ids": token_ids}, params)
-        streams: list[RequestStream] = []
-        try:
-            for i, (text, token_ids) in enumerate(prompts):
-                streams.append(await self.engine.add_request({"prompt": text, "prompt_token_ids": token_ids},
-                                                             params, f"{request_id}-{i}"))
-        except BaseException:
-            for stream in streams:
-                self.engine.abort(stream.request_id)
-            raise
-        return streams
+        return await self.engine.add_requests([{"prompt": text, "prompt_token_ids": token_ids}
+                                               for text, token_ids in prompts], params,
+                                              [f"{request_id}-{i}" for i in range(len(prompts))])
 
     # --- /v1/completions --------------------------------------------------------------------
 
