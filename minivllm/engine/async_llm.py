@@ -152,8 +152,8 @@ class AsyncLLM:
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Tokenize on a worker thread. A fast tokenizer's batch call runs in Rust without
         the interpreter lock, so the event loop, the results thread and other prompts'
-        tokenization go on meanwhile (its single-text call holds the lock: ~3 ms for a
-        1,024-token prompt, during which nothing else in this process runs)."""
+        tokenization go on meanwhile (its single-text call holds the lock for the whole
+        encode, during which nothing else in this process runs)."""
         if self.tokenizer is None:
             raise ValueError("skip_tokenizer_init=True: pass prompts as token ids.")
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self._encode, text,
