@@ -1,14 +1,18 @@
-"""Load weights from a Hugging Face model directory's safetensors files (or make random ones)."""
+"""Load weights into a model: checkpoint tensors (name, tensor) from a source, each copied
+into the parameter that owns it (or random weights, for speed tests)."""
 
 import glob
 import json
 import os
+from collections.abc import Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from minivllm.models.llama import PACKED_MODULES
+
+NamedTensors = Iterator[tuple[str, torch.Tensor]]
 
 
 def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, part: int = 0) -> None:
@@ -28,44 +32,52 @@ def _safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def load_weights(model: nn.Module, model_dir: str) -> None:
-    params = dict(model.named_parameters())
-    loaded_names: set[str] = set()
+def safetensors_tensors(model_dir: str) -> NamedTensors:
+    """Every tensor of a Hugging Face model directory's safetensors files."""
     for path in _safetensors_files(model_dir):
         try:
-            _load_file(model, params, path, loaded_names)
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
         except (SafetensorError, OSError) as error:
             raise ValueError(f"Could not read {path!r} ({error}): the file is missing, truncated or corrupt; "
                              "download the checkpoint again.") from error
+
+
+def load_weights(model: nn.Module, model_dir: str) -> None:
+    load_named_tensors(model, safetensors_tensors(model_dir), model_dir)
+
+
+def load_named_tensors(model: nn.Module, tensors: NamedTensors, source: str) -> None:
+    """Copy checkpoint tensors, named as in Hugging Face checkpoints, into the model; every
+    parameter must get one. source names the checkpoint in errors."""
+    params = dict(model.named_parameters())
+    tied = getattr(model, "tie_word_embeddings", False)
+    loaded_names: set[str] = set()
+    for name, tensor in tensors:
+        if "rotary_emb.inv_freq" in name:
+            continue
+        if name == "lm_head.weight" and tied:
+            continue  # tied: the embedding's weight is the head's
+        target, part = name, 0
+        for fragment, (packed, index) in PACKED_MODULES.items():
+            if f".{fragment}." in name:
+                target, part = name.replace(fragment, packed), index
+                break
+        if target not in params:
+            raise ValueError(f"Checkpoint tensor {name!r} has no place in the model: "
+                             "is config.json's architecture right for these weights?")
+        param = params[target]
+        # Sharded and packed layers know where their slice of a tensor goes.
+        owner = model.get_submodule(target.rsplit(".", 1)[0])
+        loader = getattr(owner, "weight_loader", _default_weight_loader)
+        loader(param, tensor.to(param.dtype), part)
+        loaded_names.add(target)
     missing = set(params) - loaded_names
-    if getattr(model, "tie_word_embeddings", False):
+    if tied:
         missing.discard("lm_head.weight")
     if missing:
-        raise ValueError(f"The checkpoint in {model_dir!r} lacks weights for: {', '.join(sorted(missing))}.")
-
-
-def _load_file(model: nn.Module, params: dict[str, nn.Parameter], path: str, loaded_names: set[str]) -> None:
-    """Copy one safetensors file's tensors into the model (recording which were loaded)."""
-    with safe_open(path, framework="pt", device="cpu") as f:
-        for name in f.keys():
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
-                continue  # tied: the embedding's weight is the head's
-            target, part = name, 0
-            for fragment, (packed, index) in PACKED_MODULES.items():
-                if f".{fragment}." in name:
-                    target, part = name.replace(fragment, packed), index
-                    break
-            if target not in params:
-                raise ValueError(f"Checkpoint tensor {name!r} has no place in the model: "
-                                 "is config.json's architecture right for these weights?")
-            param = params[target]
-            # Sharded and packed layers know where their slice of a tensor goes.
-            owner = model.get_submodule(target.rsplit(".", 1)[0])
-            loader = getattr(owner, "weight_loader", _default_weight_loader)
-            loader(param, f.get_tensor(name).to(param.dtype), part)
-            loaded_names.add(target)
+        raise ValueError(f"The checkpoint in {source!r} lacks weights for: {', '.join(sorted(missing))}.")
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
