@@ -1,0 +1,241 @@
+"""Mixture-of-experts MLP in Triton: each token through its top-k experts, weighted and summed.
+
+Three launches and a sum, all on the device with no host synchronisation, and with launch
+grids that depend only on tensor shapes, so that decode steps can be captured in CUDA graphs:
+
+1. `moe_align` (one program per expert) groups the T * k (token, slot) pairs by expert:
+   `sorted_slots` lists each expert's slots (slot = t * k + j), its group padded with the
+   sentinel T * k to a multiple of BLOCK_M; `expert_ids` gives each BLOCK_M-row block its
+   expert; `num_padded` (one element) is where the groups end. The buffers are sized for
+   the worst case, T * k + E * (BLOCK_M - 1) rows, so their size never depends on routing.
+2. Grouped GEMM 1 (`_grouped_gemm_kernel`, GATED): one program per (row block, BLOCK_N
+   columns of the intermediate): gathers its tokens' rows of `hidden`, multiplies them by
+   the expert's gate rows and the matching up rows at once (two accumulators), and stores
+   silu(gate) * up per slot: an intermediate [T * k, I].
+3. Grouped GEMM 2 (the same kernel, ROUTED): intermediate rows @ down^T, times the routing
+   weight (fp32), stored per slot: [T * k, H].
+4. The k slots of each token are summed ([T, k, H] -> [T, H]).
+
+Blocks past `num_padded` return at once; an expert no token picked costs nothing. Products
+accumulate in fp32; the intermediate and the per-slot outputs are rounded to the activation
+dtype once each (as vLLM does; HF rounds after every matmul).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from minivllm.kernels import dot_precision
+
+# Tiles by batch size: the first entry whose bound is >= T (the number of tokens). Chosen for
+# Qwen3-30B-A3B on an H200 (E=128, H=2048, I=768, k=8, bf16) by the sweep of
+# benchmarks/kernels/fused_moe.py. Each expert gets about T * k / E rows, so small batches
+# use 16-row blocks (tl.dot's smallest) and stream each hit expert's weights once, larger
+# ones taller blocks that reuse each weight tile over more rows. GROUP_M: row blocks that
+# walk the columns together, so their expert's weight tiles are read from L2.
+CONFIGS: dict[int, dict[str, int]] = {
+    32: dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+    256: dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=4),
+    1024: dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
+    4096: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    1 << 62: dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+}
+
+
+def fused_moe_config(num_tokens: int) -> dict[str, int]:
+    """The CONFIGS entry for a batch of num_tokens tokens (shared: read it, don't change it)."""
+    return next(cfg for bound, cfg in CONFIGS.items() if num_tokens <= bound)
+
+
+@triton.jit(do_not_specialize=["num_slots"])  # one compilation for every batch size
+def _moe_align_kernel(
+    ids_ptr,  # [num_slots] expert id of each (token, slot), flattened
+    sorted_ptr,  # [>= num_slots + E * (BLOCK_M - 1)] out: slots grouped by expert, padded
+    expert_ids_ptr,  # [blocks] out: expert of each BLOCK_M block (blocks < num_padded / BLOCK_M)
+    num_padded_ptr,  # [1] out: rows of sorted_ptr in use (a multiple of BLOCK_M)
+    num_slots,
+    BLOCK_M: tl.constexpr,
+    NUM_BINS: tl.constexpr,  # a power of two >= the number of experts
+    CHUNK: tl.constexpr,  # slots read per step
+):
+    expert = tl.program_id(0)
+    # Every program counts every expert (a histogram of all ids): where this expert's group
+    # starts depends on all lower experts' padded counts; redoing it saves a second launch.
+    counts = tl.zeros([NUM_BINS], dtype=tl.int32)
+    for begin in range(0, num_slots, CHUNK):
+        offs = begin + tl.arange(0, CHUNK)
+        valid = offs < num_slots
+        ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+        counts += tl.histogram(ids, NUM_BINS, mask=valid)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    bins = tl.arange(0, NUM_BINS)
+    start = tl.sum(tl.where(bins < expert, padded, 0))
+    count = tl.sum(tl.where(bins == expert, counts, 0))
+    group_len = tl.sum(tl.where(bins == expert, padded, 0))
+    if expert == 0:
+        tl.store(num_padded_ptr, tl.sum(padded))
+    # This expert's slots, in slot order: a running count ranks them.
+    placed = 0
+    for begin in range(0, num_slots, CHUNK):
+        offs = begin + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
+        mine = (ids == expert).to(tl.int32)
+        rank = placed + tl.cumsum(mine, 0) - 1
+        tl.store(sorted_ptr + start + rank, offs, mask=mine != 0)
+        placed += tl.sum(mine)
+    pad = count + tl.arange(0, BLOCK_M)
+    tl.store(sorted_ptr + start + pad, num_slots, mask=pad < group_len)
+    for block in range(start // BLOCK_M, (start + group_len) // BLOCK_M):
+        tl.store(expert_ids_ptr + block, expert)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group topk_ids' T * k (token, slot) pairs by expert, in padded BLOCK_M-row blocks.
+
+    Returns int32 device tensors: `sorted_slots` [blocks * block_m] (each expert's slots
+    t * k + j in increasing order, its group padded with T * k to a multiple of block_m,
+    groups in expert order), `expert_ids` [blocks] (expert of each block) and `num_padded`
+    [1] (rows in use); blocks = cdiv(T * k + E * (block_m - 1), block_m). Entries past
+    num_padded are left unwritten. No host synchronisation: capturable in a CUDA graph.
+    """
+    num_slots = topk_ids.numel()
+    blocks = triton.cdiv(num_slots + num_experts * (block_m - 1), block_m)
+    device = topk_ids.device
+    sorted_slots = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    # Big chunks for prefill (fewer loop steps), small ones for decode (less masked work).
+    chunk = min(1024, max(128, triton.next_power_of_2(num_slots)))
+    _moe_align_kernel[(num_experts,)](
+        topk_ids.reshape(-1), sorted_slots, expert_ids, num_padded, num_slots,
+        BLOCK_M=block_m,
+        # tl.histogram wants at least one bin per lane of a warp.
+        NUM_BINS=max(32, triton.next_power_of_2(num_experts)),
+        CHUNK=chunk,
+        num_warps=8 if chunk >= 1024 else 4,
+    )
+    return sorted_slots, expert_ids, num_padded
+
+
+@triton.jit(do_not_specialize=["num_slots", "num_blocks_m"])
+def _grouped_gemm_kernel(
+    a_ptr,  # [rows, K]: slot s reads row s // TOP_K
+    w_ptr,  # [E, N, K], GATED: [E, 2 * N, K] (gate rows, then up rows)
+    out_ptr,  # [num_slots, N]
+    route_ptr,  # [num_slots] fp32 routing weights (ROUTED)
+    sorted_ptr, expert_ids_ptr, num_padded_ptr,  # from moe_align
+    num_slots, num_blocks_m, N, K,
+    stride_am, stride_we, stride_wn, stride_om,
+    TOP_K: tl.constexpr,
+    GATED: tl.constexpr,  # out = silu(a @ gate^T) * (a @ up^T)
+    ROUTED: tl.constexpr,  # out = route weight * (a @ w^T)
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks along K
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # GROUP_M consecutive row blocks take each column block in turn, so that (mostly one
+    # expert's) weight tiles are shared through L2 while they are hot.
+    pid = tl.program_id(0)
+    blocks_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * blocks_n)
+    first_m = group * GROUP_M
+    group_rows = tl.minimum(num_blocks_m - first_m, GROUP_M)
+    in_group = pid % (GROUP_M * blocks_n)
+    block_m = first_m + in_group % group_rows
+    block_n = in_group // group_rows
+    if block_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    slots = tl.load(sorted_ptr + block_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = slots < num_slots  # padding rows: not read, not written
+    expert = tl.load(expert_ids_ptr + block_m).to(tl.int64)  # int64: E * N * K may pass 2**31
+    offs_n = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    a_ptrs = a_ptr + (slots // TOP_K).to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    # Weight tiles as [BLOCK_K, BLOCK_N] (transposed in the addressing).
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # unused unless GATED
+    for k in range(0, K, BLOCK_K):
+        a_mask = valid[:, None]
+        w_mask = n_mask[None, :]
+        if not EVEN_K:
+            a_mask = a_mask & (k + offs_k < K)[None, :]
+            w_mask = w_mask & (k + offs_k < K)[:, None]
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, input_precision=DOT_PRECISION)
+        if GATED:
+            up = tl.dot(a, tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0), up,
+                        input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * up
+    if ROUTED:
+        acc = acc * tl.load(route_ptr + slots, mask=valid, other=0.0)[:, None]
+    out_ptrs = out_ptr + slots.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, route: torch.Tensor,
+                  align: tuple[torch.Tensor, torch.Tensor, torch.Tensor], top_k: int, gated: bool,
+                  cfg: dict[str, int]) -> None:
+    sorted_slots, expert_ids, num_padded = align
+    n, k = out.shape[1], a.shape[1]
+    num_blocks_m = expert_ids.numel()
+    grid = (num_blocks_m * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _grouped_gemm_kernel[grid](
+        a, w, out, route, sorted_slots, expert_ids, num_padded,
+        out.shape[0], num_blocks_m, n, k,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        TOP_K=top_k,
+        GATED=gated,
+        ROUTED=not gated,
+        EVEN_K=k % cfg["BLOCK_K"] == 0,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"],
+        GROUP_M=cfg["GROUP_M"],
+        DOT_PRECISION=dot_precision(a.dtype),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, config: dict[str, int] | None = None) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_ids[t, j]: [T, H].
+
+    hidden [T, H] (contiguous last dimension), w13 [E, 2 * I, H] (each expert's gate rows,
+    then its up rows) and w2 [E, H, I], contiguous, share a float dtype, which the result
+    has; topk_weights [T, k] float32, topk_ids [T, k] int32/int64 (distinct per token or
+    not). fp32 accumulation; fp32 inputs multiply at about fp32 precision (dot_precision).
+    `config` overrides fused_moe_config(T) (BLOCK_M/N/K, GROUP_M, num_warps, num_stages).
+    No host synchronisation: capturable in a CUDA graph (after a first call has compiled).
+    """
+    num_tokens, hidden_size = hidden.shape
+    num_experts, two_i, _ = w13.shape
+    top_k = topk_ids.shape[1]
+    assert w13.shape == (num_experts, two_i, hidden_size) and two_i % 2 == 0, f"w13 {tuple(w13.shape)}"
+    assert w2.shape == (num_experts, hidden_size, two_i // 2), f"w2 {tuple(w2.shape)} does not match w13"
+    assert topk_ids.shape == topk_weights.shape == (num_tokens, top_k), "topk_ids/weights must be [T, k]"
+    assert topk_weights.dtype == torch.float32, f"topk_weights must be float32, got {topk_weights.dtype}"
+    assert topk_ids.dtype in (torch.int32, torch.int64), f"topk_ids must be int32/int64, got {topk_ids.dtype}"
+    assert hidden.dtype == w13.dtype == w2.dtype, "hidden, w13 and w2 must share a dtype"
+    assert hidden.stride(1) == 1 and w13.is_contiguous() and w2.is_contiguous(), "contiguous layouts"
+    if num_tokens == 0:
+        return torch.empty_like(hidden)
+    cfg = fused_moe_config(num_tokens) if config is None else config
+    align = moe_align(topk_ids, num_experts, cfg["BLOCK_M"])
+    num_slots = num_tokens * top_k
+    intermediate = torch.empty(num_slots, two_i // 2, dtype=hidden.dtype, device=hidden.device)
+    per_slot = torch.empty(num_slots, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    route = topk_weights.reshape(-1)
+    _grouped_gemm(hidden, w13, intermediate, route, align, top_k, True, cfg)
+    _grouped_gemm(intermediate, w2, per_slot, route, align, 1, False, cfg)
+    if top_k == 1:
+        return per_slot
+    return per_slot.view(num_tokens, top_k, hidden_size).sum(dim=1)  # 16-bit: summed in fp32
