@@ -86,7 +86,7 @@ def bench_batch(num_tokens: int, w13: torch.Tensor, w2: torch.Tensor, sweep: boo
     weights = torch.rand(num_tokens, TOP_K, device="cuda").softmax(-1)
     nbytes = floor_bytes(choices, w13, w2)
     flops = 6 * H * I * num_tokens * TOP_K
-    default = fused_moe_config(num_tokens)
+    default = fused_moe_config(num_tokens, DTYPE)
     variants = [default]
     if sweep:
         variants += [cfg for c in CANDIDATES if candidate_fits(c[0], num_tokens)

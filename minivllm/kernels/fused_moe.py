@@ -42,9 +42,11 @@ CONFIGS: dict[int, dict[str, int]] = {
 }
 
 
-def fused_moe_config(num_tokens: int) -> dict[str, int]:
-    """The CONFIGS entry for a batch of num_tokens tokens (shared: read it, don't change it)."""
-    return next(cfg for bound, cfg in CONFIGS.items() if num_tokens <= bound)
+def fused_moe_config(num_tokens: int, dtype: torch.dtype) -> dict[str, int]:
+    """The CONFIGS entry for a batch of num_tokens tokens; for 4-byte inputs with half the
+    BLOCK_K, so that the pipeline's buffers keep their size in shared memory."""
+    cfg = next(cfg for bound, cfg in CONFIGS.items() if num_tokens <= bound)
+    return cfg if dtype.itemsize == 2 else {**cfg, "BLOCK_K": cfg["BLOCK_K"] // 2}
 
 
 @triton.jit(do_not_specialize=["num_slots"])  # one compilation for every batch size
@@ -213,7 +215,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     then its up rows) and w2 [E, H, I], contiguous, share a float dtype, which the result
     has; topk_weights [T, k] float32, topk_ids [T, k] int32/int64 (distinct per token or
     not). fp32 accumulation; fp32 inputs multiply at about fp32 precision (dot_precision).
-    `config` overrides fused_moe_config(T) (BLOCK_M/N/K, GROUP_M, num_warps, num_stages).
+    `config` overrides fused_moe_config(T, dtype) (BLOCK_M/N/K, GROUP_M, num_warps, num_stages).
     No host synchronisation: capturable in a CUDA graph (after a first call has compiled).
     """
     num_tokens, hidden_size = hidden.shape
@@ -228,7 +230,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     assert hidden.stride(1) == 1 and w13.is_contiguous() and w2.is_contiguous(), "contiguous layouts"
     if num_tokens == 0:
         return torch.empty_like(hidden)
-    cfg = fused_moe_config(num_tokens) if config is None else config
+    cfg = fused_moe_config(num_tokens, hidden.dtype) if config is None else config
     align = moe_align(topk_ids, num_experts, cfg["BLOCK_M"])
     num_slots = num_tokens * top_k
     intermediate = torch.empty(num_slots, two_i // 2, dtype=hidden.dtype, device=hidden.device)
