@@ -70,7 +70,8 @@ def check_alignment(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     counts = torch.bincount(ids, minlength=num_experts)
     padded = (counts + block_m - 1) // block_m * block_m
     assert num_padded.tolist() == [int(padded.sum())]
-    assert sorted_slots.numel() == expert_ids.numel() * block_m >= num_slots + num_experts * (block_m - 1)
+    worst = num_slots + min(num_slots, num_experts) * (block_m - 1)  # every hit expert's group padded
+    assert expert_ids.numel() == -(-worst // block_m) and sorted_slots.numel() == expert_ids.numel() * block_m
     start = 0
     for expert in range(num_experts):
         group = sorted_slots[start: start + padded[expert]]

@@ -7,7 +7,9 @@ grids that depend only on tensor shapes, so that decode steps can be captured in
    `sorted_slots` lists each expert's slots (slot = t * k + j), its group padded with the
    sentinel T * k to a multiple of BLOCK_M; `expert_ids` gives each BLOCK_M-row block its
    expert; `num_padded` (one element) is where the groups end. The buffers are sized for
-   the worst case, T * k + E * (BLOCK_M - 1) rows, so their size never depends on routing.
+   the worst case, T * k + min(T * k, E) * (BLOCK_M - 1) rows (at most that many experts
+   get a padded group), so their size never depends on routing, and a decode step's grid
+   has few row blocks beyond those in use.
 2. Grouped GEMM 1 (`_grouped_gemm_kernel`, GATED): one program per (row block, BLOCK_N
    columns of the intermediate): gathers its tokens' rows of `hidden`, multiplies them by
    the expert's gate rows and the matching up rows at once (two accumulators), and stores
@@ -27,12 +29,13 @@ import triton.language as tl
 
 from minivllm.kernels import dot_precision
 
-# Tiles by batch size: the first entry whose bound is >= T (the number of tokens). Chosen for
-# Qwen3-30B-A3B on an H200 (E=128, H=2048, I=768, k=8, bf16) by the sweep of
-# benchmarks/kernels/fused_moe.py. Each expert gets about T * k / E rows, so small batches
-# use 16-row blocks (tl.dot's smallest) and stream each hit expert's weights once, larger
-# ones taller blocks that reuse each weight tile over more rows. GROUP_M: row blocks that
-# walk the columns together, so their expert's weight tiles are read from L2.
+# Tiles by batch size: the first entry whose bound is >= T (the number of tokens), for
+# Qwen3-30B-A3B on an H200 (E=128, H=2048, I=768, k=8, bf16); `python -m
+# benchmarks.kernels.fused_moe --sweep` times candidates at each T and prints the fastest.
+# Each expert gets about T * k / E rows, so small batches use 16-row blocks (tl.dot's
+# smallest) and stream each hit expert's weights once, larger ones taller blocks that reuse
+# each weight tile over more rows. GROUP_M: row blocks that walk the columns together, so
+# their expert's weight tiles are read from L2.
 CONFIGS: dict[int, dict[str, int]] = {
     32: dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
     256: dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=4),
@@ -52,7 +55,7 @@ def fused_moe_config(num_tokens: int, dtype: torch.dtype) -> dict[str, int]:
 @triton.jit(do_not_specialize=["num_slots"])  # one compilation for every batch size
 def _moe_align_kernel(
     ids_ptr,  # [num_slots] expert id of each (token, slot), flattened
-    sorted_ptr,  # [>= num_slots + E * (BLOCK_M - 1)] out: slots grouped by expert, padded
+    sorted_ptr,  # out: slots grouped by expert, each group padded to a multiple of BLOCK_M
     expert_ids_ptr,  # [blocks] out: expert of each BLOCK_M block (blocks < num_padded / BLOCK_M)
     num_padded_ptr,  # [1] out: rows of sorted_ptr in use (a multiple of BLOCK_M)
     num_slots,
@@ -91,17 +94,19 @@ def _moe_align_kernel(
         tl.store(expert_ids_ptr + block, expert)
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_align(topk_ids: torch.Tensor, num_experts: int,
+              block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group topk_ids' T * k (token, slot) pairs by expert, in padded BLOCK_M-row blocks.
 
     Returns int32 device tensors: `sorted_slots` [blocks * block_m] (each expert's slots
     t * k + j in increasing order, its group padded with T * k to a multiple of block_m,
     groups in expert order), `expert_ids` [blocks] (expert of each block) and `num_padded`
-    [1] (rows in use); blocks = cdiv(T * k + E * (block_m - 1), block_m). Entries past
-    num_padded are left unwritten. No host synchronisation: capturable in a CUDA graph.
+    [1] (rows in use), where blocks = cdiv(T * k + min(T * k, E) * (block_m - 1), block_m).
+    Entries past num_padded are left unwritten. No host synchronisation: capturable in a
+    CUDA graph.
     """
     num_slots = topk_ids.numel()
-    blocks = triton.cdiv(num_slots + num_experts * (block_m - 1), block_m)
+    blocks = triton.cdiv(num_slots + min(num_slots, num_experts) * (block_m - 1), block_m)
     device = topk_ids.device
     sorted_slots = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     expert_ids = torch.empty(blocks, dtype=torch.int32, device=device)
