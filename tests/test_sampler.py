@@ -1,8 +1,9 @@
 """Sampler tests: each feature against a direct per-row computation (CPU).
 
-Random rows sample with the torch Gumbel-max formula on CPU tensors and with the Triton
-kernel on CUDA ones; tests taking the `backend` fixture run both, the kernel under Triton's
-interpreter (slow: about 30 ms per row, so those tests keep batches and step counts small).
+Random rows sample with the torch Gumbel-max formula, or with the Triton kernel
+(Sampler(use_triton=True), as on CUDA); tests taking the `sampler` fixture run both, the
+kernel under Triton's interpreter (slow: about 30 ms per row, so those tests keep batches
+and step counts small).
 tests/test_sampling_kernel.py tests the kernel itself against the torch formula."""
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-from minivllm.layers import sampler as sampler_module
 from minivllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow, gumbel_noise
 from minivllm.sampling_params import SamplingParams
 
@@ -46,11 +46,10 @@ def kept(processed_row: torch.Tensor) -> set[int]:
 
 
 @pytest.fixture(params=["torch", "triton"])
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Random rows through the torch formula, or through the Triton kernel (as on CUDA)."""
-    if request.param == "triton":
-        monkeypatch.setattr(sampler_module, "_use_triton", lambda logits: True)
-    return request.param
+def sampler(request: pytest.FixtureRequest) -> Sampler:
+    """A sampler drawing random rows with the torch formula, or with the Triton kernel (as on
+    CUDA)."""
+    return Sampler(use_triton=request.param == "triton")
 
 
 # --- direct per-row references ---------------------------------------------------------
@@ -255,19 +254,19 @@ def test_gumbel_noise_distribution_and_tail() -> None:
     assert got[1] < got[0] and got[2] < got[1]  # distinct steps at the top
 
 
-def test_minus_inf_tokens_never_sampled(backend: str) -> None:
+def test_minus_inf_tokens_never_sampled(sampler: Sampler) -> None:
     """Only a few finite logits, all very low, under a high temperature: still only them."""
-    n = 200 if backend == "torch" else 6
+    n = 200 if not sampler.use_triton else 6
     logits = torch.full((n, V), -INF)
     logits[:, [2, 40, 63]] = -80.0
     logits[::2, 41] = -90.0
     meta = build(make_rows([SamplingParams(temperature=5.0)] * n))
-    sampled = Sampler()(logits, meta).sampled_token_ids
+    sampled = sampler(logits, meta).sampled_token_ids
     assert set(sampled[1::2].tolist()) <= {2, 40, 63}
     assert set(sampled[::2].tolist()) <= {2, 40, 41, 63}
 
 
-def test_unedited_logits_are_read_without_a_copy(backend: str,
+def test_unedited_logits_are_read_without_a_copy(sampler: Sampler,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """No penalties, min_tokens or filters: greedy and temperature rows read the caller's
     (bf16) logits directly, and leave them unchanged."""
@@ -281,7 +280,7 @@ def test_unedited_logits_are_read_without_a_copy(backend: str,
               SamplingParams(temperature=1e-4), SamplingParams(temperature=0.0, logprobs=1)]
     meta = build(make_rows(params))
     assert not meta.edits_logits
-    sampled = Sampler()(logits, meta).sampled_token_ids
+    sampled = sampler(logits, meta).sampled_token_ids
     assert torch.equal(logits, before)
     greedy = logits.float().argmax(-1)
     # Row 2's temperature is so low that the noise cannot overturn the argmax.
@@ -415,12 +414,11 @@ def step_logits(step: int) -> torch.Tensor:
     return torch.randn(V, generator=torch.Generator().manual_seed(100 + step))
 
 
-def run_seeded(position: int, others: list[SamplingParams], steps: int, seed: int,
-               params: SamplingParams) -> list[int]:
+def run_seeded(sampler: Sampler, position: int, others: list[SamplingParams], steps: int,
+               seed: int, params: SamplingParams) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     noise = torch.Generator().manual_seed(1000 + position)  # different neighbours each run
     tokens = []
-    sampler = Sampler()
     for step in range(steps):
         batch_params = list(others)
         batch_params.insert(position, params)
@@ -434,10 +432,10 @@ def run_seeded(position: int, others: list[SamplingParams], steps: int, seed: in
 
 
 @pytest.mark.parametrize("top_k", [40, 0])  # the pre-scaled (filtered) path, and the plain one
-def test_seeded_rows_reproducible_and_batch_independent(backend: str, top_k: int) -> None:
+def test_seeded_rows_reproducible_and_batch_independent(sampler: Sampler, top_k: int) -> None:
     params = SamplingParams(temperature=1.0, seed=42, top_k=top_k)
-    steps = 30 if backend == "torch" else 5
-    reference = run_seeded(0, [], steps, 42, params)
+    steps = 30 if not sampler.use_triton else 5
+    reference = run_seeded(sampler, 0, [], steps, 42, params)
     assert len(set(reference)) > steps // 2  # it really samples
     compositions = [
         (0, [SamplingParams(temperature=0.0)] * 3),
@@ -445,46 +443,45 @@ def test_seeded_rows_reproducible_and_batch_independent(backend: str, top_k: int
         (1, [SamplingParams(min_p=0.2, logprobs=2), SamplingParams(temperature=0.0)]),
         (4, [SamplingParams(top_k=3)] * 6),
     ]
-    if backend == "triton":
+    if sampler.use_triton:
         compositions = compositions[1:3]  # the interpreter is slow
     for position, others in compositions:
         torch.manual_seed(position)  # the unseeded rows' RNG state must not matter
-        assert run_seeded(position, others, steps, 42, params) == reference
-    assert run_seeded(0, [], steps, 43, params) != reference
+        assert run_seeded(sampler, position, others, steps, 42, params) == reference
+    assert run_seeded(sampler, 0, [], steps, 43, params) != reference
 
 
-def test_two_rows_same_seed_same_tokens(backend: str) -> None:
+def test_two_rows_same_seed_same_tokens(sampler: Sampler) -> None:
     row = random_logits(1, seed=8)[0]
     logits = torch.stack([row, random_logits(1, seed=9)[0], row])
     gens = [torch.Generator().manual_seed(7), None, torch.Generator().manual_seed(7)]
     params = [SamplingParams(temperature=1.0, seed=7)] * 3
-    sampler = Sampler()
     tokens = []
-    for _ in range(20 if backend == "torch" else 4):
+    for _ in range(20 if not sampler.use_triton else 4):
         sampled = sampler(logits, build(make_rows(params, generators=gens))).sampled_token_ids
         assert sampled[0] == sampled[2]
         tokens.append(sampled[0].item())
     assert len(set(tokens)) > 1
 
 
-def test_unseeded_rows_differ_and_seeded_batches_leave_the_default_rng(backend: str) -> None:
+def test_unseeded_rows_differ_and_seeded_batches_leave_the_default_rng(sampler: Sampler) -> None:
     logits = torch.zeros(4, V)  # uniform: every row's token is its noise's argmax
     params = [SamplingParams()] * 4
-    sampled = Sampler()(logits, build(make_rows(params))).sampled_token_ids
+    sampled = sampler(logits, build(make_rows(params))).sampled_token_ids
     assert len(set(sampled.tolist())) > 1
     gens = [torch.Generator().manual_seed(i) for i in range(4)]
     state = torch.get_rng_state()
-    Sampler()(logits, build(make_rows([SamplingParams(seed=1)] * 4, generators=gens)))
+    sampler(logits, build(make_rows([SamplingParams(seed=1)] * 4, generators=gens)))
     assert torch.equal(torch.get_rng_state(), state)
 
 
-def test_greedy_rows_do_not_consume_their_generator(backend: str) -> None:
+def test_greedy_rows_do_not_consume_their_generator(sampler: Sampler) -> None:
     gen = torch.Generator().manual_seed(5)
     state = gen.get_state()
     meta = build(make_rows([SamplingParams(temperature=0.0, seed=5), SamplingParams()],
                            generators=[gen, None]))
     assert meta.generators == {}
-    Sampler()(random_logits(2), meta)
+    sampler(random_logits(2), meta)
     assert torch.equal(gen.get_state(), state)
 
 

@@ -12,9 +12,9 @@ import torch
 import triton
 
 import minivllm.attention.triton_backend as triton_backend
-import minivllm.kernels.kv_store as kv_store
 import minivllm.kernels.paged_attention as paged_attention
 from minivllm.attention.metadata import AttentionMetadata
+from minivllm.attention.torch_backend import store_kv
 from tests.conftest import ATTENTION_TOL, DEVICE, reference_attention, requires_cuda
 
 
@@ -71,32 +71,6 @@ def make_meta(qsl, seq_lens, block_tables, slot_mapping):
         query_start_loc=qsl, seq_lens=seq_lens, block_tables=block_tables,
         slot_mapping=slot_mapping, max_query_len=max(q_lens), max_seq_len=int(seq_lens.max()),
         query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
-
-
-# ----------------------------------------------------------------------------------------
-# KV store
-# ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("block_size", [8, 16])
-def test_store_kvcache(dtype, block_size):
-    num_tokens, num_kv_heads, head_dim, num_blocks = 13, 2, 64, 6
-    g = torch.Generator().manual_seed(0)
-    # key/value as views into a fused qkv projection: row stride != Hkv * D.
-    qkv = torch.randn(num_tokens, 4 + 2 * num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
-    key, value = qkv[:, 4:4 + num_kv_heads], qkv[:, 4 + num_kv_heads:]
-    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
-    slots[[2, 7, 8]] = -1  # padding / already cached: must not be written
-    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
-    v_cache = torch.zeros_like(k_cache)
-    kv_store.store_kvcache(key, value, k_cache, v_cache, slots.to(DEVICE))
-
-    ref_k = torch.zeros_like(k_cache).view(-1, num_kv_heads, head_dim)
-    ref_v = torch.zeros_like(v_cache).view(-1, num_kv_heads, head_dim)
-    keep = slots >= 0
-    ref_k[slots[keep]] = key[keep.to(DEVICE)]
-    ref_v[slots[keep]] = value[keep.to(DEVICE)]
-    assert torch.equal(k_cache.view_as(ref_k), ref_k)
-    assert torch.equal(v_cache.view_as(ref_v), ref_v)
 
 
 # ----------------------------------------------------------------------------------------
@@ -238,7 +212,7 @@ def run_backend_step(backend, q_lens, seq_lens, num_q_heads, num_kv_heads, head_
     if max_seq_len is not None:
         meta.max_seq_len = max_seq_len
     q = random_q(num_tokens, num_q_heads, head_dim, dtype)
-    backend.store_kv(new_k, new_v, k_cache, v_cache, meta)
+    store_kv(new_k, new_v, k_cache, v_cache, meta.slot_mapping)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
     scale = head_dim ** -0.5
     out = backend.attend(q, k_cache, v_cache, meta, scale)

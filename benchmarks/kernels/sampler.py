@@ -12,7 +12,7 @@ Logits [B, V] in bf16 (the lm head's dtype), V = 151,936 (Qwen3's vocabulary), B
             sampler's path without penalties, min_tokens or filters)
 * kernel32  the kernel on a float32 copy, T = 1 (the path after penalties or filters, which
             work on a float32 copy; the copy and the filters themselves are not timed)
-* sampler   Sampler()(logits, meta) for the same rows: the per-row seed draw plus the kernel
+* sampler   Sampler(use_triton=True)(logits, meta) for the same rows: the per-row seed draw plus the kernel
 
 Times are do_bench medians in microseconds (each call launched from Python, L2 flushed
 between calls). GB/s is the floor's traffic, the variant's input logits read once, over
@@ -56,7 +56,7 @@ def variants(num_rows: int) -> dict[str, tuple[Callable[[], object], int]]:
     seeds = torch.randint(0, 2**62, (num_rows,), device="cuda")
     rows = [SamplingRow(SamplingParams(temperature=TEMPERATURE), [], [])] * num_rows
     meta = SamplingMetadata.build(rows, VOCAB, "cuda")
-    sampler = Sampler()
+    sampler = Sampler(use_triton=True)
     n16, n32 = logits.numel() * logits.element_size(), logits32.numel() * logits32.element_size()
     return {
         "torch": (lambda: old_torch_sample(logits, temperature), n16),

@@ -9,15 +9,18 @@ import torch.nn.functional as F
 from minivllm.attention.metadata import AttentionMetadata
 
 
-class TorchAttentionBackend:
-    def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        num_slots = k_cache.shape[0] * k_cache.shape[1]
-        keep = meta.slot_mapping >= 0
-        slots = meta.slot_mapping[keep]
-        k_cache.view(num_slots, *k_cache.shape[2:])[slots] = key[keep]
-        v_cache.view(num_slots, *v_cache.shape[2:])[slots] = value[keep]
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """This step's K and V [N, Hkv, D] into their cache slots (slot < 0: not stored). With
+    Triton, fused_ops.qk_norm_rope_store does this inside its kernel."""
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(num_slots, *k_cache.shape[2:])[slots] = key[keep]
+    v_cache.view(num_slots, *v_cache.shape[2:])[slots] = value[keep]
 
+
+class TorchAttentionBackend:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         assert meta.seq_lens_cpu is not None and meta.query_start_loc_cpu is not None, \

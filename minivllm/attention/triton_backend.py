@@ -1,8 +1,8 @@
-"""Triton attention backend: KV store, paged prefill/mixed attention, split-KV decode.
+"""Triton attention backend: paged prefill/mixed attention, split-KV decode.
 
 Same interface as the torch reference backend (torch_backend.py):
-    store_kv(key, value, k_cache, v_cache, meta)
     attend(q, k_cache, v_cache, meta, scale) -> out
+(the KV store is fused into the kernel before it: fused_ops.qk_norm_rope_store)
 
 Decode-only steps (meta.max_query_len == 1) take the split-KV decode kernel. Mixed steps
 send their leading one-token sequences (decodes; the scheduler puts them first) to the
@@ -21,7 +21,6 @@ import triton
 
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.kernels import sm_count
-from minivllm.kernels.kv_store import store_kvcache
 from minivllm.kernels.paged_attention import (
     DECODE_MAX_SPLITS,
     decode_num_splits,
@@ -82,16 +81,6 @@ class TritonAttentionBackend:
             self._alloc_workspace(rows, head_dim, device)
 
     # -- public interface ----------------------------------------------------------------
-    def store_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> None:
-        store_kvcache(key, value, k_cache, v_cache, meta.slot_mapping)
-
     def attend(
         self,
         q: torch.Tensor,

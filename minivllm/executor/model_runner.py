@@ -26,7 +26,7 @@ from minivllm.executor.cuda_graphs import GraphKind, GraphShape, StepGraphs
 from minivllm.executor.distributed import broadcast_from_rank0, min_across_ranks, tp_rank, tp_size
 from minivllm.executor.input_buffers import InputBuffers
 from minivllm.layers.attention import AttentionBackend
-from minivllm.layers.linear import RowParallelLinear
+from minivllm.layers.linear import choose_small_batch_kernels
 from minivllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from minivllm.loader import init_dummy_weights, load_weights
 from minivllm.models.registry import build_model
@@ -108,21 +108,18 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = build_model(hf_config, config.max_model_len)
+                # With the Triton attention backend the small ops are Triton kernels too (fused
+                # norms, activations, q/k norm + RoPE + KV store).
+                self.model = build_model(hf_config, config.max_model_len,
+                                         use_triton=config.attention_backend == "triton")
         finally:
             torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)
         else:
             load_weights(self.model, config.model)
-        if config.attention_backend == "triton":
-            # The small ops too: fused Triton kernels instead of chains of torch kernels
-            # (each layer with a Triton path declares a `use_triton` class attribute).
-            for module in self.model.modules():
-                if hasattr(type(module), "use_triton"):
-                    module.use_triton = True
         self.vocab_size = hf_config.vocab_size
-        self.sampler = Sampler()
+        self.sampler = Sampler(use_triton=self.device.type == "cuda")
         self.backend = self._make_attention_backend()
         logger.info("Loaded weights in %.1f s", time.perf_counter() - start)
         self.buffers = InputBuffers(max(config.max_num_batched_tokens, config.max_num_seqs), config.max_num_seqs,
@@ -156,13 +153,7 @@ class ModelRunner:
         config = self.config
         self._run_step_and_sampler(self._largest_step(self.num_blocks))
         if config.attention_backend == "triton":
-            from minivllm.kernels import skinny_matmul  # needs a GPU
-            for module in self.model.modules():
-                if hasattr(type(module), "use_skinny"):
-                    # The bias the layer's matmul adds: a row-parallel layer adds its own after
-                    # the all-reduce instead.
-                    bias = None if isinstance(module, RowParallelLinear) else module.bias
-                    module.use_skinny = skinny_matmul.beats_cublas(module.weight, bias)
+            choose_small_batch_kernels(self.model)
             if not config.enforce_eager:
                 # Capturing runs every kernel a graph replays: decode and cascade at every batch
                 # size, the mixed kernel in the prefill graphs.

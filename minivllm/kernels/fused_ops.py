@@ -280,7 +280,7 @@ def qk_norm_rope_store(
     """A decoder layer's attention inputs in one kernel, per token: optionally RMSNorm of
     every q and k head (Qwen3's q_norm/k_norm: pass both weights), neox-style RoPE on q and
     k (`RotaryEmbedding.forward` of minivllm/layers/rotary.py), and the new K and V into the
-    paged cache (`store_kvcache` of minivllm/kernels/kv_store.py; slot < 0: not stored).
+    paged cache (`store_kv` of minivllm/attention/torch_backend.py; slot < 0: not stored).
 
     positions [N] int64 (int32 accepted), each < max_pos (not checked: that would sync);
     q [N, Hq, D], k and v [N, Hkv, D], one dtype, last dimension contiguous (row and head

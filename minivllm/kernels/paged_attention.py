@@ -421,7 +421,7 @@ def paged_attention_mixed(
 ) -> torch.Tensor:
     """Causal attention of q [N, Hq, D] over the paged cache, for any mix of prompt chunks
     (with or without a cached prefix) and decode rows. The new tokens' K/V must already be
-    in the cache (store_kvcache first). Returns out [N, Hq, D] (q's dtype).
+    in the cache (fused_ops.qk_norm_rope_store first). Returns out [N, Hq, D] (q's dtype).
 
     query_start_loc [B+1] int32, seq_lens [B] int32, block_tables [B, max_blocks] int32.
     first_seq > 0: compute only sequences first_seq..B-1 (rows first_token.. of out; other

@@ -6,7 +6,10 @@ from torch import nn
 class SiluAndMul(nn.Module):
     """silu(gate) * up, for a packed [gate | up] input."""
 
-    use_triton = False  # set by the model runner with the Triton attention backend
+    def __init__(self, use_triton: bool = False) -> None:
+        """use_triton: one fused Triton kernel instead of torch ops."""
+        super().__init__()
+        self.use_triton = use_triton
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_triton:

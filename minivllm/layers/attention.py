@@ -1,4 +1,4 @@
-"""Attention layer: stores this step's K/V in the paged cache, then attends through a backend."""
+"""Attention layer: attends over the paged KV cache through a backend (torch or Triton)."""
 
 from typing import Protocol
 
@@ -6,12 +6,10 @@ import torch
 from torch import nn
 
 from minivllm.attention.metadata import AttentionMetadata
+from minivllm.attention.torch_backend import store_kv
 
 
 class AttentionBackend(Protocol):
-    def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata) -> None: ...
-
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
 
@@ -30,11 +28,12 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]."""
-        assert self.backend is not None, "KV cache not bound: ModelRunner allocates it"
-        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta)
+        """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]: stores k and v in the cache (the
+        torch way), then attends."""
+        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         return self.attend(q, meta)
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attention of q over the cache, this step's K/V already stored."""
+        assert self.backend is not None, "KV cache not bound: ModelRunner allocates it"
         return self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)

@@ -22,10 +22,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use
 
 
 class ColumnParallelLinear(nn.Module):
-    use_skinny = False  # set by the model runner where skinny_matmul beats cuBLAS on this weight
-
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
         super().__init__()
+        self.use_skinny = False  # choose_small_batch_kernels decides, once the weight is loaded
         tp = tp_size()
         assert all(size % tp == 0 for size in output_sizes), "output size not divisible by tp size"
         # Local (per-rank) size of each packed part, in checkpoint order.
@@ -54,10 +53,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    use_skinny = False  # set by the model runner where skinny_matmul beats cuBLAS on this weight
-
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
+        self.use_skinny = False  # choose_small_batch_kernels decides, once the weight is loaded
         assert input_size % tp_size() == 0, "input size not divisible by tp size"
         self.local_input_size = input_size // tp_size()
         self.weight = nn.Parameter(torch.empty(output_size, self.local_input_size), requires_grad=False)
@@ -72,3 +70,15 @@ class RowParallelLinear(nn.Module):
         # The bias is added once, after the reduction, not on every rank.
         y = all_reduce(linear(x, self.weight, None, self.use_skinny))
         return y + self.bias if self.bias is not None else y
+
+
+def choose_small_batch_kernels(model: nn.Module) -> None:
+    """Route each linear layer's small batches to skinny_matmul where, timed on its loaded
+    weight, it beats cuBLAS (a GPU only)."""
+    from minivllm.kernels import skinny_matmul  # needs a GPU
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            # The bias the layer's matmul adds: a row-parallel layer adds its own after the
+            # all-reduce instead.
+            bias = None if isinstance(module, RowParallelLinear) else module.bias
+            module.use_skinny = skinny_matmul.beats_cublas(module.weight, bias)

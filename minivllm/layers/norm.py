@@ -5,11 +5,11 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    use_triton = False  # set by the model runner with the Triton attention backend
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, use_triton: bool = False) -> None:
+        """use_triton: one fused Triton kernel (with the residual add) instead of torch ops."""
         super().__init__()
         self.eps = eps
+        self.use_triton = use_triton
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:

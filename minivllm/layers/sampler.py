@@ -225,6 +225,12 @@ class SamplerOutput:
 
 
 class Sampler(torch.nn.Module):
+    def __init__(self, use_triton: bool = False) -> None:
+        """use_triton: the Gumbel-max draw as one Triton kernel (for CUDA logits; tests run it
+        on CPU under Triton's interpreter), else the same formula in torch."""
+        super().__init__()
+        self.use_triton = use_triton
+
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # Raw logprobs first, before anything changes the logits (vLLM's default).
         raw_logprobs = (torch.log_softmax(logits.float(), dim=-1)
@@ -276,9 +282,9 @@ class Sampler(torch.nn.Module):
         if meta.all_greedy:
             return greedy
         if meta.has_filters:  # the filters need the scaled logits: scale them in place
-            sampled = gumbel_max_sample(self.filter_logits(logits, meta), None, meta.generators)
+            sampled = gumbel_max_sample(self.filter_logits(logits, meta), None, meta.generators, self.use_triton)
         else:  # the noise is scaled instead, in the same pass
-            sampled = gumbel_max_sample(logits, meta.temperature, meta.generators)
+            sampled = gumbel_max_sample(logits, meta.temperature, meta.generators, self.use_triton)
         if meta.all_random:
             return sampled
         return torch.where(meta.greedy_mask, greedy, sampled)
@@ -341,17 +347,17 @@ def _top_k_top_p_cutoff(logits: torch.Tensor, meta: SamplingMetadata) -> torch.T
 
 
 def gumbel_max_sample(logits: torch.Tensor, temperature: torch.Tensor | None,
-                      generators: dict[int, torch.Generator]) -> torch.Tensor:
+                      generators: dict[int, torch.Generator], use_triton: bool) -> torch.Tensor:
     """[B] int64: per row, argmax_j(logits_j + T * G_j) with G_j ~ Gumbel(0, 1) i.i.d., a
     sample from softmax(logits / T) (temperature None: T = 1, the logits are scaled already).
 
     Seeded rows take their randomness from their own generator only; the other rows from
-    the device's default generator. CUDA tensors: one Philox key per row and step (the
-    kernel derives token j's noise from (key, j)). CPU tensors: 32-bit words per token,
+    the device's default generator. With Triton: one Philox key per row and step (the
+    kernel derives token j's noise from (key, j)). In torch: 32-bit words per token,
     turned into noise by gumbel_noise. Either way a row's noise does not depend on the
     batch. No host synchronisation."""
     num_rows, vocab_size = logits.shape
-    if _use_triton(logits):
+    if use_triton:
         from minivllm.kernels import sampling  # imported only where Triton is used
         seeds = _draw_per_row(num_rows, 1, _SEED_HIGH, generators, logits.device)
         return sampling.gumbel_max_sample(logits, seeds.view(num_rows), temperature)
@@ -359,12 +365,6 @@ def gumbel_max_sample(logits: torch.Tensor, temperature: torch.Tensor | None,
     if temperature is not None:
         noise.mul_(temperature.unsqueeze(1))
     return noise.add_(logits).argmax(dim=-1)
-
-
-def _use_triton(logits: torch.Tensor) -> bool:
-    """The Triton kernel for CUDA tensors; the torch formula elsewhere (tests patch this to
-    run the kernel on CPU under Triton's interpreter)."""
-    return logits.is_cuda
 
 
 def _draw_per_row(num_rows: int, width: int, high: int, generators: dict[int, torch.Generator],

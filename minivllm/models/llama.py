@@ -1,7 +1,9 @@
 """The Llama-family decoder: Llama 2/3, Mistral, Qwen2/2.5 and Qwen3, told apart by flags.
 
 Parameter names follow the Hugging Face checkpoints, except that q/k/v and gate/up are
-packed into qkv_proj and gate_up_proj (see PACKED_MODULES).
+packed into qkv_proj and gate_up_proj (see PACKED_MODULES). use_triton, fixed when the model
+is built, picks the Triton kernels for the small ops (fused norms, activation, and q/k norm +
+RoPE + KV store as one kernel) over the torch reference ops.
 """
 
 from dataclasses import dataclass
@@ -33,12 +35,10 @@ class ArchitectureFlags:
 
 
 class LlamaAttention(nn.Module):
-    # Set by the model runner with the Triton attention backend: q/k norms, RoPE and the
-    # KV store then run as one kernel (fused_ops.qk_norm_rope_store).
-    use_triton = False
-
-    def __init__(self, config: PretrainedConfig, flags: ArchitectureFlags, max_position: int) -> None:
+    def __init__(self, config: PretrainedConfig, flags: ArchitectureFlags, max_position: int,
+                 use_triton: bool) -> None:
         super().__init__()
+        self.use_triton = use_triton
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
@@ -49,6 +49,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden)
         self.rotary_emb = RotaryEmbedding(config, self.head_dim, max_position)
         if flags.qk_norm:
+            # Their weights only, with Triton: the fused kernel applies them.
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = flags.qk_norm
@@ -76,7 +77,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, use_triton: bool) -> None:
         super().__init__()
         if getattr(config, "mlp_bias", False):
             raise ValueError("mlp_bias=True checkpoints are not supported.")
@@ -84,7 +85,7 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu').")
         inter = config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter])
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(use_triton)
         self.down_proj = RowParallelLinear(inter, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,12 +93,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, flags: ArchitectureFlags, max_position: int) -> None:
+    def __init__(self, config: PretrainedConfig, flags: ArchitectureFlags, max_position: int,
+                 use_triton: bool) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, flags, max_position)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, flags, max_position, use_triton)
+        self.mlp = LlamaMLP(config, use_triton)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_triton)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_triton)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,12 +113,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, flags: ArchitectureFlags, max_position: int) -> None:
+    def __init__(self, config: PretrainedConfig, flags: ArchitectureFlags, max_position: int,
+                 use_triton: bool) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, flags, max_position) for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config, flags, max_position, use_triton)
+                                     for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_triton)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
@@ -128,10 +131,11 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: PretrainedConfig, flags: ArchitectureFlags, max_position: int) -> None:
+    def __init__(self, config: PretrainedConfig, flags: ArchitectureFlags, max_position: int,
+                 use_triton: bool = False) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, flags, max_position)
+        self.model = LlamaModel(config, flags, max_position, use_triton)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

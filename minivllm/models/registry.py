@@ -20,8 +20,9 @@ _ARCHITECTURES = {
 SUPPORTED_ARCHITECTURES = sorted(_ARCHITECTURES)
 
 
-def build_model(config: PretrainedConfig, max_position: int) -> LlamaForCausalLM:
-    """An empty (uninitialised) model for config's architecture, on the default device."""
+def build_model(config: PretrainedConfig, max_position: int, use_triton: bool = False) -> LlamaForCausalLM:
+    """An empty (uninitialised) model for config's architecture, on the default device;
+    use_triton: its small ops as Triton kernels (with the Triton attention backend)."""
     architectures = getattr(config, "architectures", None) or []
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     if window is not None and max_position > window:
@@ -29,6 +30,6 @@ def build_model(config: PretrainedConfig, max_position: int) -> LlamaForCausalLM
                          f"does not implement: set max_model_len <= {window}.")
     for name in architectures:
         if name in _ARCHITECTURES:
-            return LlamaForCausalLM(config, _ARCHITECTURES[name](config), max_position)
+            return LlamaForCausalLM(config, _ARCHITECTURES[name](config), max_position, use_triton)
     raise ValueError(f"Model architecture {architectures or '(none in config.json)'} is not supported. "
                      f"Supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}.")
