@@ -79,10 +79,10 @@ def cascade_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Cascade attention enabled for small test batches (2+ sequences sharing 16+ tokens);
     the returned list grows by one on every cascade kernel call."""
     import minivllm.attention.triton_backend as triton_backend
-    from minivllm.executor import model_runner
+    from minivllm.executor import step_inputs
 
-    monkeypatch.setattr(model_runner, "CASCADE_MIN_PREFIX_TOKENS", 16)
-    monkeypatch.setattr(model_runner, "CASCADE_MIN_SEQS", 2)
+    monkeypatch.setattr(step_inputs, "CASCADE_MIN_PREFIX_TOKENS", 16)
+    monkeypatch.setattr(step_inputs, "CASCADE_MIN_SEQS", 2)
     calls: list[int] = []
     original = triton_backend.paged_attention_decode_shared_prefix
 

@@ -39,12 +39,6 @@ def llm(model_dir: str) -> LLM:
     return make_llm(model_dir)
 
 
-@pytest.fixture(scope="module")
-def block_bytes(llm: LLM) -> int:
-    """KV cache bytes per block, to size caches in blocks."""
-    return llm.llm_engine.model_runner._kv_bytes_per_block()
-
-
 def make_llm(model_dir: str, **kwargs: object) -> LLM:
     return LLM(model_dir, **{"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "block_size": BLOCK_SIZE,
                              **kwargs})
@@ -160,11 +154,11 @@ def test_penalties_match_reference(llm: LLM, model_dir: str) -> None:
     run_penalty_batch(llm, model_dir)
 
 
-def test_penalties_match_reference_under_preemption_and_chunking(model_dir: str, block_bytes: int) -> None:
+def test_penalties_match_reference_under_preemption_and_chunking(model_dir: str) -> None:
     """The same batch through a small KV cache (preemption), a small token budget (chunked
     prompts) and max_num_seqs (late admission): penalties still see exactly the tokens
     generated so far, none missing, none twice."""
-    llm = make_llm(model_dir, kv_cache_memory_bytes=12 * block_bytes, max_num_batched_tokens=24,
+    llm = make_llm(model_dir, num_gpu_blocks_override=12, max_num_batched_tokens=24,
                    max_num_seqs=6, enable_prefix_caching=False)
     run_penalty_batch(llm, model_dir)
     assert llm.llm_engine.stats()["num_preemptions"] > 0
@@ -267,13 +261,13 @@ def seeded_batch() -> tuple[list[dict[str, list[int]]], list[SamplingParams]]:
     return prompts, params
 
 
-def test_seeded_sampling_reproduces_across_preemption(llm: LLM, model_dir: str, block_bytes: int) -> None:
+def test_seeded_sampling_reproduces_across_preemption(llm: LLM, model_dir: str) -> None:
     """Seeded requests give the same tokens when a KV cache too small for the batch
     preempts and recomputes them as when nothing is preempted."""
     prompts, params = seeded_batch()
     roomy = llm.generate(prompts, params, use_tqdm=False)
     assert llm.llm_engine.stats()["num_preemptions"] == 0
-    tight_llm = make_llm(model_dir, kv_cache_memory_bytes=10 * block_bytes, enable_prefix_caching=False)
+    tight_llm = make_llm(model_dir, num_gpu_blocks_override=10, enable_prefix_caching=False)
     tight = tight_llm.generate(prompts, params, use_tqdm=False)
     assert tight_llm.llm_engine.stats()["num_preemptions"] > 0
     want = [[list(c.token_ids) for c in o.outputs] for o in roomy]

@@ -117,8 +117,8 @@ def test_allocation_failure_changes_nothing() -> None:
 def test_shared_prefix_detection() -> None:
     import numpy as np
 
-    from minivllm.executor import model_runner
-    from minivllm.executor.model_runner import shared_prefix_blocks
+    from minivllm.executor import step_inputs
+    from minivllm.executor.step_inputs import shared_prefix_blocks
 
     bs = 16
     prefix = list(range(100, 100 + 20))  # 20 shared blocks = 320 tokens
@@ -135,4 +135,4 @@ def test_shared_prefix_detection() -> None:
     seq_lens[0] = 20 * bs
     assert shared_prefix_blocks(tables, seq_lens, bs) == 19
     # Too few sequences: not worth it.
-    assert shared_prefix_blocks(tables[:model_runner.CASCADE_MIN_SEQS - 1], seq_lens[:7], bs) == 0
+    assert shared_prefix_blocks(tables[:step_inputs.CASCADE_MIN_SEQS - 1], seq_lens[:7], bs) == 0

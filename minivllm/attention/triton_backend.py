@@ -5,7 +5,7 @@ Same interface as the torch reference backend (torch_backend.py):
 (the KV store is fused into the kernel before it: fused_ops.qk_norm_rope_store)
 
 Decode-only steps (meta.max_query_len == 1) take the split-KV decode kernel. Mixed steps
-send their leading one-token sequences (decodes; the scheduler puts them first) to the
+send their leading one-token sequences (decodes first: ScheduledBatch) to the
 decode kernel too, and the rest to the mixed kernel. Both are CUDA-graph capturable: launch
 sizes come from tensor shapes and meta.max_seq_len only (under graphs pass max_model_len as
 max_seq_len), real lengths are read from meta.seq_lens on the device.
@@ -95,7 +95,7 @@ class TritonAttentionBackend:
             return self._decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables,
                                 meta.max_seq_len, scale)
         # Mixed step. Sequences with one new token at the front of the batch (the running
-        # sequences' decodes, which the scheduler places first) go to the decode kernel: in
+        # sequences' decodes: ScheduledBatch puts them first) go to the decode kernel: in
         # the mixed kernel each would occupy a whole query tile, wasting its matmul work.
         # (Needs the host copy of query_start_loc; without it everything takes the mixed kernel.)
         num_seqs = meta.seq_lens.shape[0]

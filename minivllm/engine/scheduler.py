@@ -17,6 +17,20 @@ from minivllm.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
+    """One step's work, a row per sequence. Decodes first: the layout the runner, the
+    Triton attention backend and the CUDA graphs rely on, stated here once.
+
+    A running sequence has more than one new token only while its prompt is being chunked,
+    and that can only be the most recently admitted one (a prompt is cut only when the
+    budget runs out, so nothing is admitted after it in that step): every batch starts with
+    its decodes (one new token each), then prompt chunks. `longest_decodes_first` sorts
+    that leading run by context, longest first, since the decode kernel starts its programs
+    in batch order. TritonAttentionBackend.attend sends the leading one-token rows of a
+    mixed step to the split-KV decode kernel and the rest to the mixed kernel (a later
+    one-token row would still be right, only slower); StepGraphs.padded_shape runs a mixed
+    step that starts with a decode eagerly.
+    """
+
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # per sequence, this step
     # Tokens each sequence had computed before this step (where its new tokens start).

@@ -1,5 +1,7 @@
 """ModelRunner: owns the model and its KV cache; turns a scheduled batch into tensors,
-runs the forward pass and samples the next tokens.
+runs the forward pass and samples the next tokens. Its pieces live beside it: the KV
+cache's size and storage (kv_cache.py), a step's host inputs (step_inputs.py), the
+persistent input buffers (input_buffers.py) and the CUDA graphs (cuda_graphs.py).
 
 Under tensor parallelism every rank has a ModelRunner on its shard. Rank 0 prepares each
 step's host inputs (prepare_inputs) and ships them to the other ranks (executor/worker.py);
@@ -7,14 +9,11 @@ every rank then runs execute_model, whose collectives keep the ranks in step; on
 gets logits, and samples.
 """
 
-import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-import numpy as np
 import torch
 
 from minivllm.attention.metadata import AttentionMetadata
@@ -22,9 +21,12 @@ from minivllm.attention.torch_backend import TorchAttentionBackend
 from minivllm.config import EngineConfig
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.sequence import Sequence
-from minivllm.executor.cuda_graphs import GraphKind, GraphShape, StepGraphs
-from minivllm.executor.distributed import broadcast_from_rank0, min_across_ranks, tp_rank, tp_size
+from minivllm.executor.cuda_graphs import GraphShape, StepGraphs
+from minivllm.executor.distributed import broadcast_from_rank0, tp_rank, tp_size
 from minivllm.executor.input_buffers import InputBuffers
+from minivllm.executor.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_kv_blocks, release_kv_cache
+from minivllm.executor.step_inputs import (CASCADE_MIN_SEQS, ModelInputs, StepInputs,
+                                           prepare_step_inputs)
 from minivllm.layers.attention import AttentionBackend
 from minivllm.layers.linear import choose_small_batch_kernels
 from minivllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
@@ -32,19 +34,7 @@ from minivllm.loader import init_dummy_weights, load_weights
 from minivllm.models.registry import build_model
 from minivllm.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from minivllm.executor.worker import Workers
-
 logger = logging.getLogger(__name__)
-
-# Cascade attention pays off when many decoding sequences share a long prefix; below
-# either threshold the plain decode kernel runs. (Estimates, not swept: W3's 256 sequences
-# sharing 2,048 tokens are far past both.)
-CASCADE_MIN_SEQS = 8
-CASCADE_MIN_PREFIX_TOKENS = 256
-
-# Share of available RAM the KV cache takes on CPU when kv_cache_memory_bytes is not given.
-_CPU_KV_CACHE_FRACTION = 0.25
 
 
 # Token id -> (logprob, rank) for the sampled token and the top-k at one position.
@@ -61,35 +51,14 @@ class StepHandle:
     done: "torch.cuda.Event | None"
 
 
-@dataclass
-class StepInputs:
-    """A step's inputs as prepared on the host: the rows each buffer field uses (numpy
-    views of the current host set) and the host-side metadata. This is what rank 0 ships
-    to the other ranks; pickling copies just those rows."""
+class OtherRanks(Protocol):
+    """Rank 0's handle on the other ranks (executor/worker.py's Workers)."""
 
-    arrays: dict[str, np.ndarray]
-    max_query_len: int
-    max_seq_len: int
-    query_start_loc_cpu: list[int]
-    seq_lens_cpu: list[int]
-    graph: GraphShape | None  # run as the CUDA graph of this (tokens, sequence rows); None: eagerly
-    cascade: bool  # every sequence starts with the same blocks: cascade attention
-
-    @property
-    def graph_kind(self) -> GraphKind:
-        return "prefill" if self.max_query_len > 1 else "cascade" if self.cascade else "decode"
-
-
-@dataclass
-class ModelInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # rows of the hidden states to sample from
+    def call(self, method: str, *args: object) -> None: ...
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, workers: "Workers | None" = None) -> None:
+    def __init__(self, config: EngineConfig, workers: OtherRanks | None = None) -> None:
         """workers: on rank 0 of a tensor-parallel engine, the other ranks, already started."""
         if tp_size() != config.tensor_parallel_size:
             raise ValueError(f"A tensor-parallel engine of size {tp_size()} is running in this process: "
@@ -124,7 +93,9 @@ class ModelRunner:
         logger.info("Loaded weights in %.1f s", time.perf_counter() - start)
         self.buffers = InputBuffers(max(config.max_num_batched_tokens, config.max_num_seqs), config.max_num_seqs,
                                     config.max_blocks_per_seq, self.device)
-        self.num_blocks = self._num_kv_blocks()
+        self.num_blocks = num_kv_blocks(
+            config, kv_bytes_per_block(self.model.attention_layers(), self.dtype, self.block_size),
+            self.device, self._profile_free_gpu_memory)
         self._allocate_kv_cache(self.num_blocks)
         self.last_sampled = torch.empty(0, dtype=torch.int64, device=self.device)
         self.last_sampled_rows: dict[int, int] = {}
@@ -176,37 +147,6 @@ class ModelRunner:
             return TritonAttentionBackend(attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                           self.config.max_num_seqs, device=self.device)
         return TorchAttentionBackend()
-
-    def _kv_bytes_per_block(self) -> int:
-        attn = self.model.attention_layers()[0]
-        per_token = 2 * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize
-        return per_token * self.block_size * len(self.model.attention_layers())
-
-    def _num_kv_blocks(self) -> int:
-        config = self.config
-        block_bytes = self._kv_bytes_per_block()
-        if config.num_gpu_blocks_override is not None:
-            budget = config.num_gpu_blocks_override * block_bytes
-        elif config.kv_cache_memory_bytes is not None:
-            budget = config.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            budget = self._profile_free_gpu_memory()
-        else:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            budget = int(available * _CPU_KV_CACHE_FRACTION)
-            # No point holding more than every sequence at full length.
-            budget = min(budget, config.max_num_seqs * config.max_blocks_per_seq * block_bytes)
-        # Every rank must hold the same blocks; the scheduler on rank 0 sizes for the smallest.
-        num_blocks = min_across_ranks(budget // block_bytes, self.device)
-        if num_blocks < config.max_blocks_per_seq:
-            raise ValueError(
-                f"The KV cache has room for {num_blocks * self.block_size} tokens, less than one sequence "
-                f"of max_model_len={config.max_model_len}: lower max_model_len, or give the cache more "
-                "memory (gpu_memory_utilization / kv_cache_memory_bytes / num_gpu_blocks_override).")
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), at most %.1f sequences of max_model_len",
-                    num_blocks, self.block_size, num_blocks * block_bytes / 2**30,
-                    num_blocks / config.max_blocks_per_seq)
-        return num_blocks
 
     @torch.inference_mode()
     def _profile_free_gpu_memory(self) -> int:
@@ -260,103 +200,19 @@ class ModelRunner:
             torch.softmax(logits.float(), dim=-1).sort(dim=-1)
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
-        layers = self.model.attention_layers()
-        attn = layers[0]
-        # One allocation for all layers' K and V; each layer's caches are views into it.
-        self.kv_cache = torch.empty(2, len(layers), num_blocks, self.block_size, attn.num_kv_heads,
-                                    attn.head_dim, dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-            layer.backend = self.backend
+        self.kv_cache = allocate_kv_cache(self.model.attention_layers(), self.backend, num_blocks,
+                                          self.block_size, self.dtype, self.device)
 
     def _free_kv_cache(self) -> None:
-        for layer in self.model.attention_layers():
-            layer.k_cache = layer.v_cache = torch.empty(0)
+        release_kv_cache(self.model.attention_layers())
         del self.kv_cache
 
     # --- one step ---------------------------------------------------------------------------
 
     def prepare_inputs(self, batch: ScheduledBatch, graph: GraphShape | None = None) -> StepInputs:
-        """Write the step into the next host buffer set (host work only).
-
-        A sequence's newest token may still be pending (sampled by the step in flight, not
-        yet read back): pending_dst/pending_src say where _upload copies it from that
-        step's output on the device.
-        graph: for a step run as the CUDA graph of that shape (StepGraphs.padded_shape),
-        the rows past the batch are filled with harmless padding: tokens stored nowhere,
-        sequences empty.
-        """
-        bs, buf = self.block_size, self.buffers.next_host()
-        num_seqs = len(batch)
-        num_new = np.array(batch.num_new_tokens, dtype=np.int64)
-        computed = np.array(batch.num_computed_tokens, dtype=np.int64)
-        seq_lens = computed + num_new
-        query_start_loc = buf["query_start_loc"]
-        query_start_loc[0] = 0
-        np.cumsum(num_new, out=query_start_loc[1:num_seqs + 1])
-        num_tokens = int(query_start_loc[num_seqs])
-        # Position of every new token: its sequence's computed count plus its offset in the chunk.
-        row_of_token = np.repeat(np.arange(num_seqs), num_new)
-        positions = computed[row_of_token] + np.arange(num_tokens) - query_start_loc[row_of_token]
-        buf["positions"][:num_tokens] = positions
-        token_ids: list[int] = []
-        pending_dst, pending_src = [], []
-        for seq, start, end in zip(batch.seqs, computed.tolist(), seq_lens.tolist()):
-            known_end = min(end, len(seq.token_ids))
-            token_ids += seq.token_ids[start:known_end]
-            if known_end < end:  # the last input is the pending token of the step in flight
-                pending_dst.append(len(token_ids))
-                pending_src.append(self.last_sampled_rows[seq.seq_id])
-                token_ids.append(0)
-        buf["input_ids"][:num_tokens] = token_ids
-        num_pending = len(pending_dst)
-        buf["pending_dst"][:num_pending] = pending_dst
-        buf["pending_src"][:num_pending] = pending_src
-        # Block tables: one flat copy, scattered into the rows through a mask.
-        tables = [seq.block_table for seq in batch.seqs]
-        table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
-        block_tables = buf["block_tables"]
-        block_tables[:num_seqs] = 0  # no stale block ids from an earlier step
-        width = int(table_lens.max())
-        block_tables[:num_seqs, :width][np.arange(width) < table_lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(tables), dtype=np.int32, count=int(table_lens.sum()))
-        buf["slot_mapping"][:num_tokens] = (
-            block_tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs)
-        buf["seq_lens"][:num_seqs] = seq_lens
-        sampled = np.array(batch.samples, dtype=bool)
-        logits_indices = query_start_loc[1:num_seqs + 1][sampled] - 1
-        buf["logits_indices"][:len(logits_indices)] = logits_indices
-        shared_blocks = 0
-        if self.config.attention_backend == "triton" and int(num_new.max()) == 1:
-            shared_blocks = shared_prefix_blocks(block_tables[:num_seqs], seq_lens, bs)
-            buf["num_shared_prefix_blocks"][0] = shared_blocks
-        rows, tokens = num_seqs, num_tokens
-        if graph is not None:
-            tokens, rows = graph
-            pad_tokens, pad_rows = slice(num_tokens, tokens), slice(num_seqs, rows)
-            buf["input_ids"][pad_tokens] = buf["positions"][pad_tokens] = 0
-            buf["slot_mapping"][pad_tokens] = -1
-            buf["seq_lens"][pad_rows] = buf["block_tables"][pad_rows, :width] = 0  # kernels skip empty rows
-            # Empty sequences, one token each in a decode graph (the decode kernel's layout).
-            query_start_loc[num_seqs + 1:rows + 1] = (np.arange(num_tokens + 1, rows + 1)
-                                                      if num_tokens == num_seqs else num_tokens)
-        used_rows = {"query_start_loc": rows + 1, "seq_lens": rows, "block_tables": rows, "slot_mapping": tokens,
-                     "input_ids": tokens, "positions": tokens, "logits_indices": len(logits_indices),
-                     "pending_dst": num_pending, "pending_src": num_pending,
-                     "num_shared_prefix_blocks": 1 if shared_blocks else 0}
-        arrays = {name: buf[name][:n] for name, n in used_rows.items()}
-        # Rank 0 uploads whole block-table rows; the other ranks get only the columns in use
-        # (the rest are zeros), which keeps long-context messages small.
-        arrays["block_tables"] = block_tables[:rows, :width]
-        return StepInputs(
-            arrays=arrays,
-            max_query_len=int(num_new.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=query_start_loc[:num_seqs + 1].tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-            graph=graph,
-            cascade=shared_blocks > 0,
-        )
+        """Write the step into the next host buffer set (step_inputs.prepare_step_inputs)."""
+        return prepare_step_inputs(batch, self.buffers.next_host(), self.block_size, self.last_sampled_rows,
+                                   detect_cascade=self.config.attention_backend == "triton", graph=graph)
 
     def _upload(self, step: StepInputs) -> ModelInputs:
         """Queue the copies of the step's host rows to the device; the step's device inputs."""
@@ -480,14 +336,3 @@ def _sampling_row(seq: Sequence) -> SamplingRow:
     needs_history = params.needs_token_history
     return SamplingRow(params, seq.prompt_token_ids if needs_history else (),
                        seq.output_token_ids if needs_history else (), seq.generator)
-
-
-def shared_prefix_blocks(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int) -> int:
-    """How many leading block-table entries every sequence shares, if enough to use cascade
-    attention (else 0). Each sequence keeps at least one token of its own past the prefix."""
-    if len(block_tables) < CASCADE_MIN_SEQS:
-        return 0
-    limit = int((seq_lens.min() - 1) // block_size)
-    same = (block_tables[:, :limit] == block_tables[0, :limit]).all(axis=0)
-    shared = limit if same.all() else int(same.argmin())
-    return shared if shared * block_size >= CASCADE_MIN_PREFIX_TOKENS else 0
