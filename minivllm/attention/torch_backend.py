@@ -9,6 +9,15 @@ import torch.nn.functional as F
 from minivllm.attention.metadata import AttentionMetadata
 
 
+def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x as the cache stores it: an FP8 (e4m3) cache saturates at +-448 (e4m3 has no
+    infinity; a plain cast would give NaN), then rounds."""
+    if cache_dtype == torch.float8_e4m3fn:
+        limit = torch.finfo(cache_dtype).max
+        x = x.float().clamp(-limit, limit)
+    return x.to(cache_dtype)
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """This step's K and V [N, Hkv, D] into their cache slots (slot < 0: not stored). With
@@ -16,8 +25,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(num_slots, *k_cache.shape[2:])[slots] = key[keep]
-    v_cache.view(num_slots, *v_cache.shape[2:])[slots] = value[keep]
+    k_cache.view(num_slots, *k_cache.shape[2:])[slots] = to_cache_dtype(key[keep], k_cache.dtype)
+    v_cache.view(num_slots, *v_cache.shape[2:])[slots] = to_cache_dtype(value[keep], v_cache.dtype)
 
 
 class TorchAttentionBackend:
@@ -32,9 +41,9 @@ class TorchAttentionBackend:
             q_start, q_end = starts[b], starts[b + 1]
             num_blocks = -(-seq_len // block_size)
             blocks = meta.block_tables[b, :num_blocks]
-            # [seq_len, Hkv, D] -> [Hkv, seq_len, D]
-            k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
-            v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
+            # [seq_len, Hkv, D] -> [Hkv, seq_len, D], in q's dtype (an FP8 cache's values widened)
+            k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
+            v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
             query = q[q_start:q_end].transpose(0, 1)
             out[q_start:q_end] = _causal_attention(query, k, v, scale).transpose(0, 1)
         return out

@@ -33,6 +33,7 @@ from triton.language.extra import libdevice
 
 # Under Triton's interpreter (CPU tests) libdevice is unavailable; tl.exp is numpy's there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+FP8_E4M3_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
 
 # ----------------------------------------------------------------------------------------
@@ -181,6 +182,15 @@ def _store_halves(ptr, stride_h, x1, x2, NUM_HEADS: tl.constexpr, HALF: tl.const
 
 
 @triton.jit
+def _to_cache_dtype(x, cache_ptr, FP8_CACHE: tl.constexpr):
+    """x in the cache's element type: for an FP8 (e4m3) cache saturated at its largest
+    finite value, +-448, as torch's reference store does (e4m3 has no infinity)."""
+    if FP8_CACHE:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -FP8_E4M3_MAX), FP8_E4M3_MAX)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _head_rms_norm(x1, x2, weight_ptr, eps, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """RMSNorm of each head (row) over both halves, rounded as _rms_norm_kernel rounds."""
     dtype = x1.dtype
@@ -224,6 +234,7 @@ def _qk_norm_rope_store_kernel(
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     QK_NORM: tl.constexpr,
+    FP8_CACHE: tl.constexpr,
 ):
     # One program per token: its cos/sin row is loaded once and serves all q and k heads;
     # q, k and v are each read once and q written once, k and v go straight to the cache.
@@ -254,7 +265,8 @@ def _qk_norm_rope_store_kernel(
         k1, k2 = _rotate(k1, k2, cos1, cos2, sin1, sin2)
         v1, v2 = _load_halves(v_ptr + tok * stride_vn, stride_vh, NUM_KV_HEADS, HALF, BLOCK_HKV, BLOCK_HALF)
         dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co
-        # tl.store casts to the cache's element type (tests use an fp32 cache for fp16 inputs).
+        k1, k2 = _to_cache_dtype(k1, k_cache_ptr, FP8_CACHE), _to_cache_dtype(k2, k_cache_ptr, FP8_CACHE)
+        v1, v2 = _to_cache_dtype(v1, v_cache_ptr, FP8_CACHE), _to_cache_dtype(v2, v_cache_ptr, FP8_CACHE)
         _store_halves(k_cache_ptr + dst, stride_ch, k1, k2, NUM_KV_HEADS, HALF, BLOCK_HKV, BLOCK_HALF)
         _store_halves(v_cache_ptr + dst, stride_ch, v1, v2, NUM_KV_HEADS, HALF, BLOCK_HKV, BLOCK_HALF)
 
@@ -280,7 +292,8 @@ def qk_norm_rope_store(
     """A decoder layer's attention inputs in one kernel, per token: optionally RMSNorm of
     every q and k head (Qwen3's q_norm/k_norm: pass both weights), neox-style RoPE on q and
     k (`RotaryEmbedding.forward` of minivllm/layers/rotary.py), and the new K and V into the
-    paged cache (`store_kv` of minivllm/attention/torch_backend.py; slot < 0: not stored).
+    paged cache (`store_kv` of minivllm/attention/torch_backend.py; slot < 0: not stored;
+    an FP8 cache gets the values saturated to +-448, then rounded).
 
     positions [N] int64 (int32 accepted), each < max_pos (not checked: that would sync);
     q [N, Hq, D], k and v [N, Hkv, D], one dtype, last dimension contiguous (row and head
@@ -330,6 +343,7 @@ def qk_norm_rope_store(
         BLOCK_HQ=block_hq, BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_SIZE=k_cache.shape[1],
         QK_NORM=qk_norm,
+        FP8_CACHE=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=_qk_num_warps(block_hq, head_dim),
         enable_fp_fusion=False,  # keeps torch's separately rounded products (RoPE, norm)
     )

@@ -27,6 +27,8 @@ Layout (see minivllm/attention/metadata.py): k_cache, v_cache are
 [num_blocks, block_size, num_kv_heads, head_dim]; token t of sequence b lives in block
 block_tables[b, t // block_size] at offset t % block_size. K/V tiles are gathered token by
 token (each token looks up its block id), which makes BLOCK_N independent of block_size.
+The cache holds q's dtype, or float8 e4m3 (an FP8 KV cache, half the bytes to read): its
+tiles are converted to q's dtype in registers, right after the load.
 
 Everything is capturable in CUDA graphs: no host synchronisation, and launch grids depend
 only on tensor shapes and on the `max_seq_len` argument (for decode); actual lengths are
@@ -82,6 +84,7 @@ def _attend_kv_tiles(
             k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_valid[:, None], other=0.0)
         else:
             k = tl.load(k_cache_ptr + kv_ptrs)
+        k = k.to(q.dtype)  # an FP8 cache's tile; a no-op otherwise
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, N], base 2
         if CAUSAL:
@@ -101,6 +104,7 @@ def _attend_kv_tiles(
             v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_valid[:, None], other=0.0)
         else:
             v = tl.load(v_cache_ptr + kv_ptrs)
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, l_i, m_i
 
@@ -378,8 +382,8 @@ def _check_inputs(q, k_cache, v_cache, block_tables):
         f"block_size must be a power of two >= 8, got {block_size}")
     assert num_q_heads % num_kv_heads == 0, (
         f"query heads {num_q_heads} must be a multiple of KV heads {num_kv_heads}")
-    assert q.dtype == k_cache.dtype == v_cache.dtype, (
-        f"q ({q.dtype}) and the KV cache ({k_cache.dtype}) must have the same dtype")
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, torch.float8_e4m3fn), (
+        f"the KV cache ({k_cache.dtype}, {v_cache.dtype}) must hold q's dtype ({q.dtype}) or float8_e4m3fn")
     assert q.dtype in (torch.bfloat16, torch.float16, torch.float32), f"unsupported dtype {q.dtype}"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1, "the head_dim axis must be contiguous"
     assert block_tables.dtype == torch.int32, "block_tables must be int32"

@@ -1,0 +1,143 @@
+"""The FP8 (e4m3) KV cache: the stores saturate and round as torch does, and the attention
+kernels read FP8 pages against the float64 reference over the same FP8 values.
+
+Triton's interpreter handles float8_e4m3fn loads, stores and conversions, so the kernels
+run in CI with fp32/fp16 queries (bf16 only on the GPU: the interpreter mishandles it). It
+rounds float -> e4m3 otherwise than the GPU and torch (round to nearest even), so on CPU
+the fused store is checked on values e4m3 holds exactly, on the GPU on any.
+"""
+
+import random
+
+import pytest
+import torch
+
+import minivllm.kernels.paged_attention as pa
+from minivllm.attention.torch_backend import store_kv, to_cache_dtype
+from minivllm.kernels import fused_ops
+from tests.conftest import ATTENTION_TOL, DEVICE, reference_attention, requires_cuda
+from tests.test_cascade_attention import CascadeBatch
+from tests.test_fused_ops import make_rope, reference_rope
+from tests.test_triton_kernels import make_batch, random_q
+
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+              seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random K and V pages in FP8, with values across e4m3's range (|x| up to ~40)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return tuple(to_cache_dtype(torch.randn(shape, generator=g) * 8, FP8).to(DEVICE) for _ in range(2))
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    """The reference reads the same FP8 values, so the kernels' tolerance is the query dtype's."""
+    atol, rtol = ATTENTION_TOL[dtype]
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+
+
+def test_store_saturates_and_rounds() -> None:
+    """e4m3 has no infinity: out-of-range values saturate to +-448 instead of becoming NaN."""
+    x = torch.tensor([[[1000.0, -1000.0, 0.3, 447.9, 1e-4, -3.3]]])
+    k_cache = torch.zeros(2, 2, 1, 6, dtype=FP8)
+    v_cache = torch.zeros_like(k_cache)
+    store_kv(x, -x, k_cache, v_cache, torch.tensor([3]))
+    stored = k_cache.view(-1, 6)[3].float()
+    assert stored.tolist()[:2] == [448.0, -448.0]
+    assert torch.equal(stored, x.clamp(-448, 448).to(FP8).float().view(6))
+    assert torch.equal(v_cache.view(-1, 6)[3].float(), -stored)
+    assert k_cache.view(-1, 6)[[0, 1, 2]].float().abs().sum() == 0  # other slots untouched
+
+
+def run_fused_store(dtype: torch.dtype, representable: bool) -> None:
+    """qk_norm_rope_store into an FP8 cache against torch's RoPE then store_kv, byte for
+    byte, saturation included (|v| reaches past 448). representable: position 0 (RoPE is the
+    identity) and K/V values e4m3 holds exactly, apart from the saturated ones, so that no
+    rounding is involved."""
+    num_tokens, hq, hkv, head_dim, block_size = 9, 4, 2, 16, 4
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(num_tokens, heads, head_dim, generator=g) * 4 for heads in (hq, hkv, hkv))
+    v[::2, 0, :3] = torch.tensor([1000.0, -600.0, 449.0])
+    positions = torch.randint(0, 32, (num_tokens,), generator=g)
+    if representable:
+        k, v = (x.clamp(-448, 448).to(FP8).float() + (x - x.clamp(-448, 448)) for x in (k, v))
+        positions.zero_()
+    q, k, v = (x.to(dtype).to(DEVICE) for x in (q, k, v))
+    positions, cos_sin = positions.to(DEVICE), make_rope(head_dim, 32)
+    slots = torch.randperm(4 * block_size, generator=g)[:num_tokens]
+    slots[1::4] = -1
+    slots = slots.to(DEVICE)
+    k_cache = torch.zeros(4, block_size, hkv, head_dim, dtype=FP8, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    ref_q, ref_k = reference_rope(positions, q.clone(), k.clone(), cos_sin)
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    store_kv(ref_k, v, ref_k_cache, ref_v_cache, slots)
+    fused_ops.qk_norm_rope_store(positions, q, k, v, cos_sin, k_cache, v_cache, slots)
+    assert torch.equal(q, ref_q)
+    assert ref_v_cache.float().abs().max() == 448
+    assert torch.equal(k_cache.view(torch.uint8), ref_k_cache.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), ref_v_cache.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_store_saturates_as_torch(dtype: torch.dtype) -> None:
+    run_fused_store(dtype, representable=True)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_fused_store_rounds_as_torch(dtype: torch.dtype) -> None:
+    """Any values: the GPU rounds to nearest even, as torch (the interpreter does not)."""
+    run_fused_store(dtype, representable=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("q_lens,seq_lens", [
+    ([5, 33, 1, 70], [5, 33, 1, 70]),  # ragged prompts
+    ([1, 20, 1, 9], [37, 60, 100, 9]),  # decodes beside chunks over cached prefixes
+])
+def test_mixed_kernel_reads_fp8(dtype: torch.dtype, q_lens: list[int], seq_lens: list[int]) -> None:
+    qsl, lens, table, num_blocks = make_batch(q_lens, seq_lens, 16, share_blocks=1)
+    k_cache, v_cache = fp8_cache(num_blocks, 16, 2, 64)
+    q = random_q(sum(q_lens), 4, 64, dtype)
+    out = pa.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, 0.125)
+    check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, 0.125), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_kernel_reads_fp8(dtype: torch.dtype, num_splits: int) -> None:
+    seq_lens = [1, 300, 17, 129]
+    qsl, lens, table, num_blocks = make_batch([1] * 4, seq_lens, 16, share_blocks=1)
+    k_cache, v_cache = fp8_cache(num_blocks, 16, 2, 64)
+    q = random_q(4, 8, 64, dtype)
+    out = pa.paged_attention_decode(q, k_cache, v_cache, lens, table, 0.125, num_splits)
+    check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, 0.125), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cascade_kernel_reads_fp8(dtype: torch.dtype) -> None:
+    batch = CascadeBatch([1, 33, 12, 64], 4, 16, 4, 2, 64, dtype, seed=5)
+    batch.k_cache, batch.v_cache = (to_cache_dtype(c.float() * 8, FP8) for c in (batch.k_cache, batch.v_cache))
+    check(batch.cascade(prefix_splits=2, suffix_splits=1), batch.reference(), dtype)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("decode", [True, False])
+def test_gpu_bf16_queries_over_fp8_cache(decode: bool) -> None:
+    """Qwen3-like heads (16 q / 8 kv, D 128), contexts up to 4k, bf16 queries."""
+    gen = random.Random(5)
+    seq_lens = [gen.randint(1, 4096) for _ in range(48)]
+    q_lens = [1] * 48 if decode else [1] * 40 + [min(n, 300) for n in seq_lens[40:]]
+    qsl, lens, table, num_blocks = make_batch(q_lens, seq_lens, 16, share_blocks=4)
+    k_cache, v_cache = fp8_cache(num_blocks, 16, 8, 128)
+    q = random_q(sum(q_lens), 16, 128, torch.bfloat16)
+    if decode:
+        out = pa.paged_attention_decode(q, k_cache, v_cache, lens, table, 128 ** -0.5, 4)
+    else:
+        out = pa.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, 128 ** -0.5)
+    check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, 128 ** -0.5), torch.bfloat16)
