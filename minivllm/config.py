@@ -113,6 +113,12 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size={self.tensor_parallel_size} must divide the number of attention "
                 f"heads ({self.hf_config.num_attention_heads}) and KV heads ({num_kv_heads}).")
+        # Each expert's intermediate dimension is split across the ranks (layers/fused_moe.py).
+        moe_intermediate = getattr(self.hf_config, "moe_intermediate_size", None)
+        if moe_intermediate is not None and moe_intermediate % self.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must divide the experts' "
+                             f"moe_intermediate_size ({moe_intermediate}): choose a tensor_parallel_size "
+                             "that divides it.")
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -5,7 +5,7 @@ models from this file:
 
 - `build_tokenizer`: a byte-level BPE (the GPT-2/Qwen scheme) trained on an embedded
   corpus, with Qwen's special tokens and ChatML chat template.
-- `build_tiny_model`: a sub-megabyte Llama/Qwen2/Qwen3/Mistral checkpoint with
+- `build_tiny_model`: a sub-megabyte Llama/Qwen2/Qwen3/Qwen3-MoE/Mistral checkpoint with
   random weights large enough that greedy decoding says something varied.
 - `demo_model_dir`: a cached tiny Qwen3 model for `minivllm generate` without --model.
 """
@@ -122,6 +122,7 @@ SUPPORTED_ARCHITECTURES: dict[str, type[transformers.PretrainedConfig]] = {
     "Qwen2ForCausalLM": transformers.Qwen2Config,  # QKV bias
     "Qwen3ForCausalLM": transformers.Qwen3Config,  # per-head q/k RMSNorm
     "MistralForCausalLM": transformers.MistralConfig,
+    "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,  # Qwen3 with mixture-of-experts MLPs
 }
 
 # Small enough to build and run on CPU in milliseconds, big enough to have GQA (4 query
@@ -137,6 +138,15 @@ TINY_CONFIG: dict[str, Any] = {
     "rope_theta": 10000.0,
     "rms_norm_eps": 1e-6,
     "hidden_act": "silu",
+}
+
+# Qwen3-MoE's experts on top of TINY_CONFIG: top-2 of 8 small experts in every layer, the
+# top-2 weights renormalised as in Qwen3-30B-A3B (tests override any of these).
+TINY_MOE_CONFIG: dict[str, Any] = {
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
 }
 
 # Weight scales. transformers' own init (std 0.02) gives near-uniform logits and a random
@@ -230,6 +240,8 @@ def build_tiny_model(
     kwargs.update(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
     if architecture == "MistralForCausalLM":
         kwargs["sliding_window"] = None  # full attention unless a test asks otherwise
+    if architecture == "Qwen3MoeForCausalLM":
+        kwargs.update(TINY_MOE_CONFIG)
     kwargs.update(config_overrides)
     kwargs.update(tie_word_embeddings=tie_word_embeddings, dtype=dtype)
     config = SUPPORTED_ARCHITECTURES[architecture](architectures=[architecture], **kwargs)

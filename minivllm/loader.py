@@ -10,12 +10,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from minivllm.models.llama import PACKED_MODULES
-
 NamedTensors = Iterator[tuple[str, torch.Tensor]]
 
 
-def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, part: int = 0) -> None:
+def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, part: object = 0) -> None:
     param.data.copy_(loaded)
 
 
@@ -49,7 +47,8 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
 
 
 def load_named_tensors(model: nn.Module, tensors: NamedTensors, source: str) -> None:
-    """Copy checkpoint tensors, named as in Hugging Face checkpoints, into the model; every
+    """Copy checkpoint tensors, named as in Hugging Face checkpoints, into the model (its
+    checkpoint_target says which parameter, and which part of it, each one fills); every
     parameter must get one. source names the checkpoint in errors."""
     params = dict(model.named_parameters())
     tied = getattr(model, "tie_word_embeddings", False)
@@ -59,11 +58,7 @@ def load_named_tensors(model: nn.Module, tensors: NamedTensors, source: str) -> 
             continue
         if name == "lm_head.weight" and tied:
             continue  # tied: the embedding's weight is the head's
-        target, part = name, 0
-        for fragment, (packed, index) in PACKED_MODULES.items():
-            if f".{fragment}." in name:
-                target, part = name.replace(fragment, packed), index
-                break
+        target, part = model.checkpoint_target(name)
         if target not in params:
             raise ValueError(f"Checkpoint tensor {name!r} has no place in the model: "
                              "is config.json's architecture right for these weights?")

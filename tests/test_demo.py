@@ -24,7 +24,8 @@ from minivllm import demo
 
 TinyModelFactory = Callable[..., str]  # the tiny_model_factory fixture (conftest.py)
 
-ARCHITECTURES = ["Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"]
+ARCHITECTURES = ["Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+                 "Qwen3MoeForCausalLM"]
 PROMPTS = ["Hello, my name is", "The capital of France is", "日本語 café 🎉"]
 NEW_TOKENS = 24
 

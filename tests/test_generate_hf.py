@@ -17,6 +17,7 @@ ARCHITECTURES = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}}),
     "mistral": ("MistralForCausalLM", {}),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", {}),  # every layer sparse: top-2 of 8 experts
 }
 MAX_TOKENS = 12
 BLOCK_SIZE = 8

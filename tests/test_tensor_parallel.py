@@ -15,6 +15,7 @@ import torch
 from minivllm import SamplingParams
 from tests.hf_oracle import hf_greedy
 from tests.test_generate_hf import expected, make_llm, mixed_prompts, run, vocab
+from tests.test_qwen3_moe import VARIANTS
 
 MODELS = {
     "qwen3": ("Qwen3ForCausalLM", {}),
@@ -22,6 +23,8 @@ MODELS = {
     # An odd vocabulary: the last rank's embedding and LM-head shards are padded.
     "qwen3-tied-sharded-odd-vocab": ("Qwen3ForCausalLM", {"tie_word_embeddings": True,
                                                           "max_shard_size": "100KB", "vocab_size": 771}),
+    # Each expert's intermediate dimension split across the ranks, and a dense layer.
+    "qwen3-moe": ("Qwen3MoeForCausalLM", VARIANTS["dense-layer-0-renormalised"]),
 }
 MAX_TOKENS = 20
 

@@ -94,10 +94,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, flags: ArchitectureFlags, max_position: int,
-                 use_triton: bool) -> None:
+                 use_triton: bool, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, flags, max_position, use_triton)
-        self.mlp = LlamaMLP(config, use_triton)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_triton)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_triton)
 
@@ -114,11 +114,12 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, flags: ArchitectureFlags, max_position: int,
-                 use_triton: bool) -> None:
+                 use_triton: bool, mlps: list[nn.Module]) -> None:
+        """mlps: each layer's feed-forward block."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(config, flags, max_position, use_triton)
-                                     for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config, flags, max_position, use_triton, mlp)
+                                     for mlp in mlps])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_triton)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -135,11 +136,24 @@ class LlamaForCausalLM(nn.Module):
                  use_triton: bool = False) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, flags, max_position, use_triton)
+        mlps = [self.make_mlp(i, use_triton) for i in range(config.num_hidden_layers)]
+        self.model = LlamaModel(config, flags, max_position, use_triton, mlps)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, layer_idx: int, use_triton: bool) -> nn.Module:
+        """Layer layer_idx's feed-forward block (a mixture-of-experts model overrides this)."""
+        return LlamaMLP(self.config, use_triton)
+
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        """The parameter a checkpoint tensor goes into, and which part of it the tensor fills
+        (told to the owning layer's weight_loader): q/k/v and gate/up are packed."""
+        for fragment, (packed, index) in PACKED_MODULES.items():
+            if f".{fragment}." in name:
+                return name.replace(fragment, packed), index
+        return name, 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)

@@ -1,20 +1,27 @@
 """Hugging Face architecture name -> model class and flags."""
 
+from collections.abc import Callable
+
 from transformers import PretrainedConfig
 
 from minivllm.models.llama import ArchitectureFlags, LlamaForCausalLM
+from minivllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
 def _llama_flags(config: PretrainedConfig) -> ArchitectureFlags:
     return ArchitectureFlags(qkv_bias=bool(getattr(config, "attention_bias", False)), qk_norm=False)
 
 
-_ARCHITECTURES = {
-    "LlamaForCausalLM": _llama_flags,
-    "MistralForCausalLM": _llama_flags,
-    "Qwen2ForCausalLM": lambda config: ArchitectureFlags(qkv_bias=True, qk_norm=False),
-    "Qwen3ForCausalLM": lambda config: ArchitectureFlags(
-        qkv_bias=bool(getattr(config, "attention_bias", False)), qk_norm=True),
+def _qwen3_flags(config: PretrainedConfig) -> ArchitectureFlags:
+    return ArchitectureFlags(qkv_bias=bool(getattr(config, "attention_bias", False)), qk_norm=True)
+
+
+_ARCHITECTURES: dict[str, tuple[type[LlamaForCausalLM], Callable[[PretrainedConfig], ArchitectureFlags]]] = {
+    "LlamaForCausalLM": (LlamaForCausalLM, _llama_flags),
+    "MistralForCausalLM": (LlamaForCausalLM, _llama_flags),
+    "Qwen2ForCausalLM": (LlamaForCausalLM, lambda config: ArchitectureFlags(qkv_bias=True, qk_norm=False)),
+    "Qwen3ForCausalLM": (LlamaForCausalLM, _qwen3_flags),
+    "Qwen3MoeForCausalLM": (Qwen3MoeForCausalLM, _qwen3_flags),
 }
 
 SUPPORTED_ARCHITECTURES = sorted(_ARCHITECTURES)
@@ -30,6 +37,7 @@ def build_model(config: PretrainedConfig, max_position: int, use_triton: bool = 
                          f"does not implement: set max_model_len <= {window}.")
     for name in architectures:
         if name in _ARCHITECTURES:
-            return LlamaForCausalLM(config, _ARCHITECTURES[name](config), max_position, use_triton)
+            model_class, flags = _ARCHITECTURES[name]
+            return model_class(config, flags(config), max_position, use_triton)
     raise ValueError(f"Model architecture {architectures or '(none in config.json)'} is not supported. "
                      f"Supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}.")

@@ -1,0 +1,67 @@
+"""Mixture-of-experts feed-forward: every expert's projections packed into two tensors per
+layer, each token's output the routing-weighted sum of its top-k experts' SwiGLU MLPs.
+
+Tensor parallelism splits each expert's intermediate dimension across ranks (as the dense
+MLP's column/row-parallel pair does), so every rank holds a slice of every expert and the
+output is all-reduced.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.executor.distributed import all_reduce, tp_rank, tp_size
+
+# Where a checkpoint tensor goes in the packed weights: (expert, shard). expert is None
+# when the tensor holds every expert (a leading expert dimension, as transformers' packed
+# format). For w13, shard 0 is the gate projection, 1 the up projection, None both (a packed
+# [gate; up] tensor); for w2 it is None.
+ExpertPart = tuple[int | None, int | None]
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, use_triton: bool) -> None:
+        super().__init__()
+        assert intermediate_size % tp_size() == 0, "moe_intermediate_size not divisible by tp size"
+        self.local_intermediate = intermediate_size // tp_size()
+        # w13[e]: expert e's gate rows then up rows; w2[e]: its down projection. This rank's
+        # slice of the intermediate dimension only.
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local_intermediate, hidden_size),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_intermediate), requires_grad=False)
+        self.use_triton = use_triton
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: ExpertPart) -> None:
+        """Copy this rank's slice of a checkpoint tensor into param (w13 or w2), where part says."""
+        expert, shard = part
+        dest = param.data if expert is None else param.data[expert]
+        size = self.local_intermediate
+        start = tp_rank() * size
+        if param is self.w2:
+            dest.copy_(loaded.narrow(-1, start, size))
+            return
+        halves = enumerate(loaded.chunk(2, dim=-2)) if shard is None else [(shard, loaded)]
+        for index, half in halves:
+            dest.narrow(-2, index * size, size).copy_(half.narrow(-2, start, size))
+
+    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H], topk_weights (float32) and topk_ids [T, k] -> [T, H], summed over ranks."""
+        if self.use_triton:
+            from minivllm.kernels.fused_moe import fused_moe  # imported only where Triton is used
+            out = fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids)
+        else:
+            out = self._forward_torch(hidden, topk_weights, topk_ids)
+        return all_reduce(out)
+
+    def _forward_torch(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+                       ) -> torch.Tensor:
+        """The reference: one matmul pair per expert that has tokens, in expert order (as
+        transformers sums them)."""
+        out = torch.zeros_like(hidden)
+        for expert in topk_ids.unique().tolist():
+            tokens, slots = torch.where(topk_ids == expert)
+            gate, up = F.linear(hidden[tokens], self.w13[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[expert])
+            # Weights rounded to the model dtype before the product, as transformers does.
+            out.index_add_(0, tokens, y * topk_weights[tokens, slots, None].to(y.dtype))
+        return out
