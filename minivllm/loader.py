@@ -10,6 +10,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from minivllm.gguf_loader import gguf_tensors, is_gguf
+
 NamedTensors = Iterator[tuple[str, torch.Tensor]]
 
 
@@ -42,8 +44,10 @@ def safetensors_tensors(model_dir: str) -> NamedTensors:
                              "download the checkpoint again.") from error
 
 
-def load_weights(model: nn.Module, model_dir: str) -> None:
-    load_named_tensors(model, safetensors_tensors(model_dir), model_dir)
+def load_weights(model: nn.Module, path: str) -> None:
+    """Weights from a Hugging Face model directory or a .gguf file."""
+    tensors = gguf_tensors(path) if is_gguf(path) else safetensors_tensors(path)
+    load_named_tensors(model, tensors, path)
 
 
 def load_named_tensors(model: nn.Module, tensors: NamedTensors, source: str) -> None:

@@ -11,6 +11,7 @@ from numbers import Integral
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from minivllm.config import EngineConfig
+from minivllm.gguf_loader import gguf_tokenizer, is_gguf
 from minivllm.sampling_params import SamplingParams
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -20,10 +21,12 @@ PromptType = str | list[int] | dict
 
 
 def load_tokenizer(config: EngineConfig) -> PreTrainedTokenizerBase | None:
-    """The model directory's tokenizer (None with skip_tokenizer_init). Raises ValueError
-    when the directory has none."""
+    """The model directory's (or GGUF file's) tokenizer (None with skip_tokenizer_init).
+    Raises ValueError when the model has none."""
     if config.skip_tokenizer_init:
         return None
+    if is_gguf(config.model):
+        return gguf_tokenizer(config.model)
     advice = ("A Hugging Face model directory needs its tokenizer files (tokenizer.json and "
               "tokenizer_config.json); or pass skip_tokenizer_init=True and prompts as token ids.")
     # Without any of these, transformers may build an empty tokenizer rather than fail.

