@@ -48,12 +48,6 @@ class EngineConfig:
         self._resolve_lengths()
         self._validate()
 
-    def _resolve_dtype(self) -> torch.dtype:
-        if isinstance(self.dtype, torch.dtype):
-            return self.dtype
-        if self.dtype == "auto":
-            config_dtype = getattr(self.hf_config, "dtype", None) or getattr(
-                self.hf_config, "torch_dtype", None) or torch.float32
     def _load_hf_config(self) -> PretrainedConfig:
         if is_gguf(self.model):
             if not os.path.isfile(self.model):
@@ -68,6 +62,12 @@ class EngineConfig:
             raise ValueError(f"{self.model!r} has no config.json: is it a Hugging Face model directory?")
         return AutoConfig.from_pretrained(self.model)
 
+    def _resolve_dtype(self) -> torch.dtype:
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        if self.dtype == "auto":
+            config_dtype = getattr(self.hf_config, "dtype", None) or getattr(
+                self.hf_config, "torch_dtype", None) or torch.float32
             if isinstance(config_dtype, str):
                 config_dtype = _DTYPES[config_dtype]
             # As vLLM: float32 checkpoints run in bfloat16 on GPUs, where fp32 is rarely wanted.
