@@ -49,6 +49,27 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_window_layers": 36,
         "tie_word_embeddings": False,
     },
+    # 128 experts of which 8 per token: ~30.5 B parameters, ~3.3 B active per token.
+    "qwen3-30b-a3b": {
+        **_QWEN3_COMMON,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "max_window_layers": 48,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        "tie_word_embeddings": False,
+    },
 }
 
 
@@ -59,10 +80,10 @@ def write_preset(name: str, save_dir: str) -> str:
         raise ValueError(f"Unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}.")
     tokenizer = build_tokenizer(save_dir)
     config = dict(PRESETS[name])
-    config.pop("model_type")  # implied by the config class
+    model_type = config.pop("model_type")
     # Stop ids must mean something to the tokenizer that ships with the preset: use the
     # demo tokenizer's <|endoftext|> (ids past its 768 tokens decode to nothing).
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     config.update(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
-    transformers.Qwen3Config(**config).save_pretrained(save_dir)
+    transformers.AutoConfig.for_model(model_type, **config).save_pretrained(save_dir)
     return save_dir

@@ -33,18 +33,24 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     skip_tokenizer_init: bool = False
     device: str = "auto"  # "auto": cuda when available, else cpu
-    attention_backend: str = "auto"  # "auto": triton on cuda, torch on cpu
+    # "triton": our Triton kernels for attention, norms, q/k-norm + RoPE + KV store, SiLU,
+    # sampling and small matmuls, and CUDA graphs; "torch": the torch reference ops (no
+    # graphs). "auto": triton on cuda, torch on cpu.
+    kernels: str = "auto"
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" (or "fp8_e4m3"): float8 e4m3
     # Derived in __post_init__.
     hf_config: PretrainedConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
+    kv_cache_torch_dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
         self.hf_config = self._load_hf_config()
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.attention_backend == "auto":
-            self.attention_backend = "triton" if self.device == "cuda" else "torch"
+        if self.kernels == "auto":
+            self.kernels = "triton" if self.device == "cuda" else "torch"
         self.torch_dtype = self._resolve_dtype()
+        self.kv_cache_torch_dtype = self._resolve_kv_cache_dtype()
         self._resolve_lengths()
         self._validate()
 
@@ -79,6 +85,14 @@ class EngineConfig:
                              "'float32', 'float16' or 'bfloat16'.")
         return _DTYPES[self.dtype]
 
+    def _resolve_kv_cache_dtype(self) -> torch.dtype:
+        if self.kv_cache_dtype == "auto":
+            return self.torch_dtype
+        if self.kv_cache_dtype in ("fp8", "fp8_e4m3"):
+            return torch.float8_e4m3fn
+        raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: use 'auto' (the model's "
+                         "dtype) or 'fp8' (float8 e4m3).")
+
     def _resolve_lengths(self) -> None:
         model_limit = getattr(self.hf_config, "max_position_embeddings", None)
         if self.max_model_len is None:
@@ -110,11 +124,11 @@ class EngineConfig:
                              "file, 'safetensors' a model directory ('auto' picks by the path).")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
-        if self.attention_backend not in ("torch", "triton"):
-            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}.")
+        if self.kernels not in ("torch", "triton"):
+            raise ValueError(f"kernels must be 'auto', 'torch' or 'triton', got {self.kernels!r}.")
         # On CPU the Triton kernels run only in Triton's interpreter (tests use it).
-        if self.attention_backend == "triton" and self.device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1); "
+        if self.kernels == "triton" and self.device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("kernels='triton' needs a CUDA device (or TRITON_INTERPRET=1); "
                              "use 'torch' on CPU.")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")

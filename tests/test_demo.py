@@ -176,15 +176,15 @@ def test_presets_write_loadable_configs(name: str, tmp_path: Path) -> None:
                 "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings",
                 "max_position_embeddings", "rms_norm_eps"):
         assert getattr(config, key) == preset[key], key
-    assert config.architectures == ["Qwen3ForCausalLM"]
+    assert config.architectures == preset["architectures"]
     assert config.rope_parameters["rope_theta"] == 1e6
     assert config.dtype == torch.bfloat16
     assert len(AutoTokenizer.from_pretrained(path)) == demo.TOKENIZER_VOCAB_SIZE
     assert not list(tmp_path.glob("*.safetensors"))
     # The architecture is real enough for transformers to build it (on the meta device).
     with torch.device("meta"):
-        model = transformers.Qwen3ForCausalLM(config)
-    expected = {"qwen3-0.6b": 0.6e9, "qwen3-8b": 8.2e9}[name]
+        model = getattr(transformers, preset["architectures"][0])(config)
+    expected = {"qwen3-0.6b": 0.6e9, "qwen3-8b": 8.2e9, "qwen3-30b-a3b": 30.5e9}[name]
     assert abs(sum(p.numel() for p in model.parameters()) - expected) / expected < 0.05
 
 
@@ -193,6 +193,9 @@ def test_presets_are_the_public_shapes() -> None:
     assert (small["hidden_size"], small["num_hidden_layers"], small["num_attention_heads"]) == (1024, 28, 16)
     assert small["tie_word_embeddings"] and not big["tie_word_embeddings"]
     assert (big["hidden_size"], big["intermediate_size"], big["num_hidden_layers"]) == (4096, 12288, 36)
+    moe = presets.PRESETS["qwen3-30b-a3b"]
+    assert (moe["hidden_size"], moe["num_hidden_layers"], moe["num_key_value_heads"]) == (2048, 48, 4)
+    assert (moe["num_experts"], moe["num_experts_per_tok"], moe["moe_intermediate_size"]) == (128, 8, 768)
 
 
 def test_unknown_preset_names_the_known_ones(tmp_path: Path) -> None:

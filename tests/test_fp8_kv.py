@@ -141,3 +141,91 @@ def test_gpu_bf16_queries_over_fp8_cache(decode: bool) -> None:
     else:
         out = pa.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, 128 ** -0.5)
     check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, 128 ** -0.5), torch.bfloat16)
+
+
+# --- the engine with kv_cache_dtype="fp8" --------------------------------------------------
+
+def fp8_llm(model_dir: str, kernels: str = "torch", **kwargs: object) -> "LLM":
+    from minivllm import LLM
+
+    return LLM(model_dir, dtype="float32", max_model_len=128, block_size=8, kernels=kernels, **kwargs)
+
+
+def test_fp8_cache_holds_four_times_the_fp32_tokens(tiny_model_factory) -> None:
+    model_dir = tiny_model_factory("Qwen3ForCausalLM")
+    memory = 1 << 20
+    blocks = {dtype: fp8_llm(model_dir, kv_cache_dtype=dtype, kv_cache_memory_bytes=memory)
+              .llm_engine.model_runner.num_blocks for dtype in ("auto", "fp8")}
+    assert blocks["fp8"] == 4 * blocks["auto"]
+
+
+def hf_logprobs_over_fp8_kv(model_dir: str, prompt: list[int], monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+    """transformers' Qwen3 (fp32) with every key (after RoPE) and value rounded to e4m3 as
+    the cache stores them: the next token's log-softmax."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    from tests.hf_oracle import load_hf_model
+
+    model = load_hf_model(model_dir)
+    rope = modeling_qwen3.apply_rotary_pos_emb
+
+    def rope_then_round_keys(q: torch.Tensor, k: torch.Tensor, *args: object, **kwargs: object):
+        q, k = rope(q, k, *args, **kwargs)
+        return q, to_cache_dtype(k, FP8).to(k.dtype)
+
+    monkeypatch.setattr(modeling_qwen3, "apply_rotary_pos_emb", rope_then_round_keys)
+    hooks = [layer.self_attn.v_proj.register_forward_hook(lambda m, i, out: to_cache_dtype(out, FP8).to(out.dtype))
+             for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt])).logits[0, -1]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def test_fp8_engine_matches_hf_over_the_same_rounded_kv(tiny_model_factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy with an FP8 cache, against transformers with its keys and values rounded to
+    e4m3 the same way: the same first-token logprobs (to fp32 rounding), and the same tokens
+    whether prompts are chunked, hit the prefix cache or not."""
+    import random
+
+    from minivllm import SamplingParams
+
+    model_dir = tiny_model_factory("Qwen3ForCausalLM")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(700) for _ in range(n)] for n in (30, 45, 17)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5)
+    plain = fp8_llm(model_dir, kv_cache_dtype="fp8", enable_prefix_caching=False)
+    outputs = plain.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        reference = hf_logprobs_over_fp8_kv(model_dir, prompt, monkeypatch)
+        for token, logprob in output.outputs[0].logprobs[0].items():
+            assert abs(logprob.logprob - reference[token].item()) < 1e-3
+    chunked = fp8_llm(model_dir, kv_cache_dtype="fp8", max_num_batched_tokens=16)
+    for _ in range(2):  # the second pass reads the first's cached blocks
+        again = chunked.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outputs]
+    assert again[0].num_cached_tokens > 0
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_fp8_triton_kernels_match_torch_on_the_engine(tiny_model_factory) -> None:
+    """The engine's Triton path against its torch path, both over an FP8 cache (fp32 model):
+    the same greedy tokens. GPU only: the interpreter rounds into e4m3 otherwise than torch,
+    and on a tiny random model one flipped bit of a cached value can flip a token."""
+    from minivllm import SamplingParams
+
+    model_dir = tiny_model_factory("Qwen3ForCausalLM")
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (9, 20)]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    results = [[o.outputs[0].token_ids for o in fp8_llm(model_dir, kernels, kv_cache_dtype="fp8")
+                .generate(prompts, params, use_tqdm=False)] for kernels in ("torch", "triton")]
+    assert results[0] == results[1]
+
+
+def test_unknown_kv_cache_dtype_is_refused(tiny_model_factory) -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int4' is not supported"):
+        fp8_llm(tiny_model_factory("Qwen3ForCausalLM"), kv_cache_dtype="int4")

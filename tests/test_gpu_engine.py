@@ -53,7 +53,7 @@ def first_step_logits(model_dir: str, prompts: list[list[int]], dtype: str, back
     from minivllm.engine.scheduler import ScheduledBatch
     from minivllm.engine.sequence import Sequence
 
-    runner = gpu_llm(model_dir, dtype=dtype, attention_backend=backend, enforce_eager=True).llm_engine.model_runner
+    runner = gpu_llm(model_dir, dtype=dtype, kernels=backend, enforce_eager=True).llm_engine.model_runner
     batch = ScheduledBatch()
     for i, prompt in enumerate(prompts):
         seq = Sequence(str(i), 0, prompt, SamplingParams())

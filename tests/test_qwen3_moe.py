@@ -115,7 +115,7 @@ def test_tensor_parallel_size_must_divide_the_experts(tiny_model_factory, tmp_pa
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs this path natively (test_gpu_engine.py)")
 def test_triton_path_matches_hf(tiny_model_factory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With attention_backend='triton' the experts run in the fused Triton kernel (on CPU
+    """With kernels='triton' the experts run in the fused Triton kernel (on CPU
     through Triton's interpreter: a short run)."""
     from minivllm.kernels import fused_moe as kernel
 
@@ -129,6 +129,6 @@ def test_triton_path_matches_hf(tiny_model_factory, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(kernel, "fused_moe", spy)
     model_dir = tiny_model_factory("Qwen3MoeForCausalLM")
     prompts = mixed_prompts(vocab(model_dir), seed=7)[1:3]
-    llm = make_llm(model_dir, attention_backend="triton")
+    llm = make_llm(model_dir, kernels="triton")
     assert run(llm, prompts, 3) == expected(model_dir, prompts, 3)
     assert calls

@@ -27,7 +27,7 @@ def greedy_outputs(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[
 def test_chunked_prefill_and_decode_match_hf(model_dir: str) -> None:
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 700) for _ in range(n)] for n in (1, 7, 8, 9, 30)]
-    llm = LLM(model_dir, dtype="float32", max_model_len=64, block_size=8, attention_backend="triton",
+    llm = LLM(model_dir, dtype="float32", max_model_len=64, block_size=8, kernels="triton",
               max_num_batched_tokens=12)
     assert greedy_outputs(llm, prompts, 6) == [hf_greedy(model_dir, p, 6)[0] for p in prompts]
 
@@ -36,7 +36,7 @@ def test_cascade_attention_for_a_shared_prefix(model_dir: str, cascade_calls: li
     rng = random.Random(2)
     shared = [rng.randrange(3, 700) for _ in range(40)]  # five 8-token blocks
     prompts = [shared + [rng.randrange(3, 700) for _ in range(n)] for n in (1, 4, 9)]
-    llm = LLM(model_dir, dtype="float32", max_model_len=96, block_size=8, attention_backend="triton")
+    llm = LLM(model_dir, dtype="float32", max_model_len=96, block_size=8, kernels="triton")
     assert greedy_outputs(llm, prompts, 6) == [hf_greedy(model_dir, p, 6)[0] for p in prompts]
     assert cascade_calls, "the cascade path was not taken"
 
@@ -50,7 +50,7 @@ def test_architectures_without_qk_norm_match_hf(arch: str, tiny_model_factory) -
     model_dir = tiny_model_factory(architecture, **overrides)
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 700) for _ in range(n)] for n in (2, 11, 20)]
-    llm = LLM(model_dir, dtype="float32", max_model_len=64, block_size=8, attention_backend="triton")
+    llm = LLM(model_dir, dtype="float32", max_model_len=64, block_size=8, kernels="triton")
     assert greedy_outputs(llm, prompts, 5) == [hf_greedy(model_dir, p, 5)[0] for p in prompts]
 
 
@@ -67,7 +67,7 @@ def test_padded_steps_compute_what_unpadded_steps_do(model_dir: str, few_seqs: i
 
     monkeypatch.setattr(cuda_graphs, "PREFILL_GRAPH_FEW_SEQS", few_seqs)
 
-    llm = LLM(model_dir, dtype="float32", max_model_len=64, block_size=8, attention_backend="triton",
+    llm = LLM(model_dir, dtype="float32", max_model_len=64, block_size=8, kernels="triton",
               max_num_seqs=6, max_num_batched_tokens=40)
     runner = llm.llm_engine.model_runner
     graphs = runner.graphs = StepGraphs(runner.model, runner.buffers, 6, 64, 40)  # never captured on CPU

@@ -67,6 +67,7 @@ class ModelRunner:
         self.workers = workers
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
+        self.kv_cache_dtype = config.kv_cache_torch_dtype  # the model's, or float8_e4m3fn
         self.block_size = config.block_size
         hf_config = config.hf_config
         torch.manual_seed(config.seed)
@@ -77,10 +78,8 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                # With the Triton attention backend the small ops are Triton kernels too (fused
-                # norms, activations, q/k norm + RoPE + KV store).
                 self.model = build_model(hf_config, config.max_model_len,
-                                         use_triton=config.attention_backend == "triton")
+                                         use_triton=config.kernels == "triton")
         finally:
             torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
@@ -88,13 +87,13 @@ class ModelRunner:
         else:
             load_weights(self.model, config.model)
         self.vocab_size = hf_config.vocab_size
-        self.sampler = Sampler(use_triton=self.device.type == "cuda")
+        self.sampler = Sampler(use_triton=config.kernels == "triton")
         self.backend = self._make_attention_backend()
         logger.info("Loaded weights in %.1f s", time.perf_counter() - start)
         self.buffers = InputBuffers(max(config.max_num_batched_tokens, config.max_num_seqs), config.max_num_seqs,
                                     config.max_blocks_per_seq, self.device)
         self.num_blocks = num_kv_blocks(
-            config, kv_bytes_per_block(self.model.attention_layers(), self.dtype, self.block_size),
+            config, kv_bytes_per_block(self.model.attention_layers(), self.kv_cache_dtype, self.block_size),
             self.device, self._profile_free_gpu_memory)
         self._allocate_kv_cache(self.num_blocks)
         self.last_sampled = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -123,7 +122,7 @@ class ModelRunner:
         big prompt step of a run waits for cudaMalloc."""
         config = self.config
         self._run_step_and_sampler(self._largest_step(self.num_blocks))
-        if config.attention_backend == "triton":
+        if config.kernels == "triton":
             choose_small_batch_kernels(self.model)
             if not config.enforce_eager:
                 # Capturing runs every kernel a graph replays: decode and cascade at every batch
@@ -141,7 +140,7 @@ class ModelRunner:
             sampling.warm_up(self.vocab_size, self.dtype, self.device)
 
     def _make_attention_backend(self) -> AttentionBackend:
-        if self.config.attention_backend == "triton":
+        if self.config.kernels == "triton":
             from minivllm.attention.triton_backend import TritonAttentionBackend  # needs a GPU
             attn = self.model.attention_layers()[0]
             return TritonAttentionBackend(attn.num_heads, attn.num_kv_heads, attn.head_dim,
@@ -201,7 +200,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = allocate_kv_cache(self.model.attention_layers(), self.backend, num_blocks,
-                                          self.block_size, self.dtype, self.device)
+                                          self.block_size, self.kv_cache_dtype, self.device)
 
     def _free_kv_cache(self) -> None:
         release_kv_cache(self.model.attention_layers())
@@ -212,7 +211,7 @@ class ModelRunner:
     def prepare_inputs(self, batch: ScheduledBatch, graph: GraphShape | None = None) -> StepInputs:
         """Write the step into the next host buffer set (step_inputs.prepare_step_inputs)."""
         return prepare_step_inputs(batch, self.buffers.next_host(), self.block_size, self.last_sampled_rows,
-                                   detect_cascade=self.config.attention_backend == "triton", graph=graph)
+                                   detect_cascade=self.config.kernels == "triton", graph=graph)
 
     def _upload(self, step: StepInputs) -> ModelInputs:
         """Queue the copies of the step's host rows to the device; the step's device inputs."""
