@@ -8,6 +8,9 @@
 # Steps (GPU_CHECK, comma-separated; default "all"):
 #   tests  python3 -m pytest -m gpu -v tests (one line per test: a step cut by STEP_TIMEOUT still shows progress)
 #   w1     W1 throughput, qwen3-0.6b, time per kind of step           (~1 min incl. start-up)
+#   w1_fp8 W1 throughput, qwen3-0.6b, FP8 KV cache                     (~1 min)
+#   w5     W1's requests on qwen3-30b-a3b (MoE, dummy weights)        (~2-3 min)
+#   moe    fused_moe.py at Qwen3-30B-A3B's expert shapes, with the tile sweep (~1.5 min)
 #   w2     W2 latency, qwen3-0.6b                                      (< 1 min)
 #   w3     W3 shared prefix, caching on and off, qwen3-0.6b            (~1-2 min, two engines)
 #   hf     W1 on transformers continuous batching, qwen3-0.6b, with --num-prompts 128:
@@ -43,7 +46,7 @@ mkdir -p "$OUT"
 : > "$OUT/summary.txt"
 cd "$(dirname "$0")/.."
 
-ALL_STEPS="tests w1 w2 w3 hf w1_8b kernels profile"
+ALL_STEPS="tests w1 w1_fp8 w2 w3 w5 hf w1_8b kernels moe profile"
 [[ "$GPU_CHECK" == all ]] && GPU_CHECK="${ALL_STEPS// /,}"
 failed=0
 
@@ -87,8 +90,11 @@ for step in ${GPU_CHECK//,/ }; do
         tp)    run_step tp_tests python3 -m pytest -m gpu -v -s --timeout=$((STEP_TIMEOUT - 30)) --timeout-method=thread --tb=short \
                    -p no:cacheprovider tests/test_tensor_parallel.py ;;
         w1)    bench w1 throughput.py --model qwen3-0.6b --step-breakdown ;;
+        w1_fp8) bench w1_fp8 throughput.py --model qwen3-0.6b --kv-cache-dtype fp8 ;;
         w2)    bench w2 latency.py --model qwen3-0.6b ;;
         w3)    bench w3 prefix_cache.py --model qwen3-0.6b ;;
+        w5)    bench w5 throughput.py --model qwen3-30b-a3b --step-breakdown ;;
+        moe)   run_step moe_kernels python3 -m benchmarks.kernels.fused_moe --sweep ;;
         hf)    bench hf throughput.py --model qwen3-0.6b --backend hf --num-prompts 128 ;;
         w1_8b) bench w1_8b throughput.py --model qwen3-8b --step-breakdown ;;
         kernels)  # kernel microbenchmarks: decode/mixed attention, cascade, fused small ops
