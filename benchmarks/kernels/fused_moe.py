@@ -99,7 +99,10 @@ def bench_batch(num_tokens: int, w13: torch.Tensor, w2: torch.Tensor, sweep: boo
         except triton.runtime.errors.OutOfResources:
             print(f"{'':>46}  {cfg}: out of resources")
             continue
-        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=f"{cfg} disagrees")
+        error = (got.float() - want.float()).abs().max().item()
+        if error > 2e-2 * (1 + want.float().abs().max().item()):
+            print(f"{'':>46}  {cfg}: DISAGREES with the default (max |diff| {error:.3g})")
+            continue
         t = time_graph_us(lambda cfg=cfg: fused_moe(x, w13, w2, weights, ids, config=cfg), ids, choices)
         t_align = time_graph_us(lambda cfg=cfg: moe_align(ids, E, cfg["BLOCK_M"]), ids, choices)
         best = min(best, (t, cfg), key=lambda pair: pair[0])

@@ -90,14 +90,15 @@ class ModelRunner:
         self.sampler = Sampler(use_triton=config.kernels == "triton")
         self.backend = self._make_attention_backend()
         logger.info("Loaded weights in %.1f s", time.perf_counter() - start)
+        # The last step's sampled tokens on the device, and each sampled sequence's row there.
+        self.last_sampled = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.last_sampled_rows: dict[int, int] = {}
         self.buffers = InputBuffers(max(config.max_num_batched_tokens, config.max_num_seqs), config.max_num_seqs,
                                     config.max_blocks_per_seq, self.device)
         self.num_blocks = num_kv_blocks(
             config, kv_bytes_per_block(self.model.attention_layers(), self.kv_cache_dtype, self.block_size),
             self.device, self._profile_free_gpu_memory)
         self._allocate_kv_cache(self.num_blocks)
-        self.last_sampled = torch.empty(0, dtype=torch.int64, device=self.device)
-        self.last_sampled_rows: dict[int, int] = {}
         self._sampled_host = [torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
                               for _ in range(2)]
         self._token_buffer = 0
