@@ -10,7 +10,7 @@ import logging
 import os
 import secrets
 import signal
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import uvicorn
@@ -31,12 +31,10 @@ from minivllm.entrypoints.openai.protocol import (
     OpenAIError,
     TokenizeRequest,
 )
-from minivllm.entrypoints.openai.serving import EventStream, OpenAIServing
+from minivllm.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
-# Where _RawSendApp puts uvicorn's own `send` in a request's scope.
-_RAW_SEND = "minivllm.raw_send"
 
 
 def build_app(serving: OpenAIServing, api_key: str | None = None) -> FastAPI:
@@ -98,11 +96,11 @@ def build_app(serving: OpenAIServing, api_key: str | None = None) -> FastAPI:
     return app
 
 
-async def _respond(raw_request: Request, result: Awaitable[dict[str, Any]] | EventStream) -> Response:
+async def _respond(raw_request: Request, result: Awaitable[dict[str, Any]] | AsyncIterator[str]) -> Response:
     """Send a streaming result as SSE; await a plain one, aborting it if the client leaves."""
-    if isinstance(result, EventStream):
+    if isinstance(result, AsyncIterator):
         # Starlette cancels the stream when the client disconnects; the stream's cleanup aborts.
-        return _EventStreamResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream")
     work = asyncio.ensure_future(result)
     disconnect = asyncio.ensure_future(_wait_for_disconnect(raw_request))
     done, _ = await asyncio.wait({work, disconnect}, return_when=asyncio.FIRST_COMPLETED)
@@ -111,42 +109,6 @@ async def _respond(raw_request: Request, result: Awaitable[dict[str, Any]] | Eve
         return Response(status_code=499)  # nobody is there to read it
     disconnect.cancel()
     return JSONResponse(work.result())
-
-
-class _EventStreamResponse(StreamingResponse):
-    """SSE written by an EventStream, with Starlette's handling of disconnects. The events go
-    to uvicorn's own `send` when _RawSendApp put it in the scope: the middleware stack wraps
-    `send` in a coroutine per middleware, each only noting whether the response started (the
-    start message still goes through them). A middleware that rewrote bodies (compression)
-    would be skipped."""
-
-    def __init__(self, events: EventStream) -> None:
-        super().__init__((), media_type="text/event-stream")  # its body iterator is not used
-        self.events = events
-        self.body_send: Send | None = None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.body_send = scope.get(_RAW_SEND, send)
-        await super().__call__(scope, receive, send)
-
-    async def stream_response(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        body_send = self.body_send or send
-        await self.events.write(body_send)
-        await body_send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-class _RawSendApp:
-    """The outermost ASGI layer: puts uvicorn's `send` in each HTTP request's scope (see
-    _EventStreamResponse)."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            scope[_RAW_SEND] = send
-        await self.app(scope, receive, send)
 
 
 async def _wait_for_disconnect(raw_request: Request) -> None:
@@ -221,7 +183,7 @@ def run_server(args: argparse.Namespace) -> None:
     engine = AsyncLLM(config, model_name=names[0], log_stats_interval_s=None if args.disable_log_stats else 10.0)
     try:
         app = build_app(OpenAIServing(engine, names), args.api_key or os.environ.get("VLLM_API_KEY"))
-        server = uvicorn.Server(uvicorn.Config(_RawSendApp(app), host=args.host, port=args.port, log_level="info",
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                                access_log=not args.disable_uvicorn_access_log,
                                                timeout_graceful_shutdown=5))
         # uvicorn re-raises the signal that stopped it once it is done; these handlers take
