@@ -2,17 +2,21 @@
 distinct tokens and generates 128 (temperature 0.6, ignore_eos), run with prefix
 caching on and off (a fresh engine each, freed in between).
 
-    python -m benchmarks.prefix_cache --model qwen3-0.6b [--caching both|on|off]
+    python -m benchmarks.prefix_cache --model qwen3-0.6b [--caching both|on|off] [--repeats 5]
 
-Reports output tok/s both ways, their ratio, and the hit rate over the timed run from
-llm.llm_engine.stats() (prompt tokens found cached / prompt tokens looked up), next to
-the ideal: every request but the first finds the prefix's full blocks.
+A run lasts under a second, so each engine times --repeats runs, each on its own draw of
+prefix and suffixes (so none finds an earlier run's prefix cached), and reports the median
+run, with every run's tok/s beside it. Reports output tok/s both ways, their ratio, and the
+hit rate over the timed run from llm.llm_engine.stats() (prompt tokens found cached /
+prompt tokens looked up), next to the ideal: every request but the first finds the
+prefix's full blocks.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 from typing import Any
 
 from benchmarks.common import (
@@ -42,8 +46,8 @@ DEFAULT_BLOCK_SIZE = 16  # the engine's default, for the ideal hit rate
 PREFIX_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits")  # tokens, from llm_engine.stats()
 
 
-def w3_requests(scale: float, vocab_size: int) -> list[Request]:
-    rng = random.Random(0)
+def w3_requests(scale: float, vocab_size: int, seed: int = 0) -> list[Request]:
+    rng = random.Random(seed)
     prefix = random_prompt(rng, scaled(W3_PREFIX_LEN, scale), vocab_size)
     return [Request(prefix + random_prompt(rng, scaled(W3_SUFFIX_LEN, scale), vocab_size),
                     scaled(W3_OUTPUT_LEN, scale))
@@ -56,34 +60,43 @@ def ideal_hit_rate(requests: list[Request], prefix_len: int, block_size: int) ->
     return (len(requests) - 1) * shared / sum(len(r.prompt_token_ids) for r in requests)
 
 
-def run_once(args: argparse.Namespace, spec: ModelSpec, requests: list[Request],
-             caching: bool) -> dict[str, Any]:
-    """A fresh engine, a warm-up that shares nothing with the workload, one timed run."""
+def run_engine(args: argparse.Namespace, spec: ModelSpec, caching: bool) -> dict[str, Any]:
+    """A fresh engine, a warm-up that shares nothing with the workload, then --repeats timed
+    runs (run r on w3_requests(seed=r)); the median run's metrics and every run's tok/s."""
     llm, startup = make_llm(args, spec, enable_prefix_caching=caching)
     warmup_llm(llm, spec.vocab_size, prefix_hit=True)
-    before = engine_stats(llm)
-    metrics = timed_generate(llm, requests, W1_TEMPERATURE) | startup_metrics(llm, startup)
-    counters = stats_delta(before, engine_stats(llm), PREFIX_COUNTERS + ("num_preemptions",))
-    metrics |= counters
-    if all(k in counters for k in PREFIX_COUNTERS):
-        queries, hits = (counters[k] for k in PREFIX_COUNTERS)
-        metrics["hit_rate"] = hits / queries if queries else 0.0
+    started = startup_metrics(llm, startup)
+    runs = []
+    for seed in range(args.repeats):
+        before = engine_stats(llm)
+        metrics = timed_generate(llm, w3_requests(args.scale, spec.vocab_size, seed), W1_TEMPERATURE)
+        counters = stats_delta(before, engine_stats(llm), PREFIX_COUNTERS + ("num_preemptions",))
+        metrics |= counters
+        if all(k in counters for k in PREFIX_COUNTERS):
+            queries, hits = (counters[k] for k in PREFIX_COUNTERS)
+            metrics["hit_rate"] = hits / queries if queries else 0.0
+        runs.append(metrics)
     shutdown_llm(llm)
     del llm
     free_memory()
-    return metrics
+    tok_s = [run["output_tok_s"] for run in runs]
+    median_run = sorted(runs, key=lambda run: run["output_tok_s"])[(len(runs) - 1) // 2]
+    return median_run | started | {"output_tok_s": statistics.median(tok_s), "output_tok_s_runs": tok_s}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--caching", default="both", choices=["both", "on", "off"])
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per engine (the median is reported)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
 
     spec = resolve_model(args.model, args.load_format)
     requests = w3_requests(args.scale, spec.vocab_size)
     modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.caching]
-    runs = {caching: run_once(args, spec, requests, caching) for caching in modes}
+    runs = {caching: run_engine(args, spec, caching) for caching in modes}
 
     summary: dict[str, Any] = {
         "num_requests": len(requests), "prefix_len": scaled(W3_PREFIX_LEN, args.scale),
