@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import signal
 from collections.abc import Iterator
 
@@ -12,7 +13,8 @@ import pytest
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
-from minivllm.engine.async_llm import AsyncLLM, EngineDeadError
+from minivllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream, to_wire
+from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -90,3 +92,16 @@ def test_engine_death_fails_streams_and_new_requests(engine: AsyncLLM) -> None:
             await engine.add_request("Hello", GREEDY)
 
     asyncio.run(run())
+
+
+def test_outputs_cross_the_pipe_as_tuples_and_come_back_whole() -> None:
+    logprobs = [{5: Logprob(-0.5, 1, "a"), 7: Logprob(-1.5, 2, "b")}]
+    output = RequestOutput("r", "p", [1, 2], [CompletionOutput(0, "a", [5], -0.5, logprobs, "stop", 5),
+                                              CompletionOutput(1, "", [], None, None, None)],
+                           True, RequestMetrics(1.0, 2.0, 3.0, 4.0), 16)
+
+    async def rebuild() -> RequestOutput:
+        stream = RequestStream(None, "r", "p", [1, 2], arrival_time=1.0)  # type: ignore[arg-type]
+        return stream.request_output(pickle.loads(pickle.dumps(to_wire(output))))
+
+    assert asyncio.run(rebuild()) == output

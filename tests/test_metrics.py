@@ -5,13 +5,14 @@ import logging
 import pytest
 from prometheus_client import generate_latest
 
+from minivllm.engine.async_llm import WireOutput, to_wire
 from minivllm.engine.metrics import ServingMetrics
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
-def _output(request_id: str, num_tokens: int, finish_reason: str | None, metrics: RequestMetrics) -> RequestOutput:
+def _output(request_id: str, num_tokens: int, finish_reason: str | None, metrics: RequestMetrics) -> WireOutput:
     completion = CompletionOutput(0, "x" * num_tokens, list(range(num_tokens)), None, None, finish_reason)
-    return RequestOutput(request_id, "p", [1, 2, 3], [completion], finish_reason is not None, metrics)
+    return to_wire(RequestOutput(request_id, "p", [1, 2, 3], [completion], finish_reason is not None, metrics))
 
 
 def test_outputs_feed_the_histograms_and_counters() -> None:
@@ -19,11 +20,12 @@ def test_outputs_feed_the_histograms_and_counters() -> None:
              "num_blocks": 100, "num_running": 3, "num_waiting": 1}
     metrics = ServingMetrics("tiny", lambda: stats)
     timing = RequestMetrics(arrival_time=100.0, first_scheduled_time=100.5)
-    metrics.on_request_added("a")
-    metrics.on_output(_output("a", 1, None, timing), now=101.0)  # TTFT 1 s, queued 0.5 s
-    metrics.on_output(_output("a", 1, None, timing), now=101.25)  # ITL 0.25 s
-    metrics.on_output(_output("a", 2, "length", timing), now=102.0)  # ITL 0.75 s, E2E 2 s
-    metrics.on_request_added("b")
+    metrics.on_request_added("a", 100.0, 3)
+    metrics.on_outputs([_output("a", 1, None, timing)], now=101.0)  # TTFT 1 s, queued 0.5 s
+    metrics.on_outputs([_output("a", 1, None, timing)], now=101.25)  # ITL 0.25 s
+    metrics.on_outputs([_output("a", 2, "length", timing)], now=102.0)  # ITL 0.75 s, E2E 2 s
+    metrics.on_outputs([_output("a", 5, None, timing)], now=103.0)  # finished already: left out
+    metrics.on_request_added("b", 100.0, 3)
     metrics.on_request_aborted("b")
     text = generate_latest(metrics.registry).decode()
 
@@ -54,8 +56,8 @@ def test_periodic_stats_line(caplog: pytest.LogCaptureFixture) -> None:
     metrics.log_stats()  # the first call only sets the baseline
     metrics.log_stats()
     assert not caplog.records  # quiet while nothing happens
-    metrics.on_request_added("a")
-    metrics.on_output(_output("a", 5, None, RequestMetrics(arrival_time=0.0)), now=1.0)
+    metrics.on_request_added("a", 0.0, 3)
+    metrics.on_outputs([_output("a", 5, None, RequestMetrics(arrival_time=0.0))], now=1.0)
     stats.update(prefix_cache_queries=100, prefix_cache_hits=25, num_running=2, num_waiting=1)
     metrics.log_stats()
     (record,) = caplog.records
@@ -63,3 +65,29 @@ def test_periodic_stats_line(caplog: pytest.LogCaptureFixture) -> None:
     for fragment in ("Avg prompt throughput:", "Avg generation throughput:", "Running: 2 reqs", "Waiting: 1 reqs",
                      "GPU KV cache usage: 10.0%", "Prefix cache hit rate: 25.0%"):
         assert fragment in message, (fragment, message)
+
+
+def test_histograms_expose_what_prometheus_client_exposes() -> None:
+    """Our lock-free histogram's samples are prometheus_client's, bucket by bucket."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from minivllm.engine.metrics import _ITL_BUCKETS, _Histogram
+
+    values = [0.0, 0.01, 0.0100001, 0.3, 5.0, 79.0, 81.0, 1e-9]
+    theirs_registry, ours_registry = CollectorRegistry(), CollectorRegistry()
+    theirs = Histogram("vllm:x_seconds", "Doc.", ["model_name"], buckets=_ITL_BUCKETS,
+                       registry=theirs_registry).labels("tiny")
+    ours = _Histogram("vllm:x_seconds", "Doc.", _ITL_BUCKETS, "tiny", ours_registry)
+    for value in values:
+        theirs.observe(value)
+    ours.observe_many(values[:3])
+    for value in values[3:]:
+        ours.observe(value)
+
+    def samples(registry: CollectorRegistry) -> list[tuple[str, dict[str, str], float]]:
+        return [(s.name, s.labels, s.value) for metric in registry.collect() for s in metric.samples
+                if not s.name.endswith("_created")]
+
+    assert samples(ours_registry) == samples(theirs_registry)
+    assert generate_latest(ours_registry).decode().count("vllm:x_seconds_created") == \
+        generate_latest(theirs_registry).decode().count("vllm:x_seconds_created")

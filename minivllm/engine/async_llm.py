@@ -15,10 +15,12 @@ arrival_time), ("abort", request_id), None (stop). Core to front: ("ready", stat
 """
 
 import asyncio
+import itertools
 import logging
 import multiprocessing as mp
 import pickle
 import queue
+import select
 import signal
 import threading
 import time
@@ -33,7 +35,7 @@ from minivllm.config import EngineConfig
 from minivllm.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.metrics import EngineStats, ServingMetrics
-from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, SampleLogprobs
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -42,9 +44,15 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_S = 1.0
 _STOP_TIMEOUT_S = 30.0
 
-# A RequestOutput on the wire, without the prompt (the front has it; resending 1,000 prompt
-# token ids with every delta would cost more than the delta).
-_WireOutput = tuple[str, list[CompletionOutput], bool, RequestMetrics, int]
+# A RequestOutput as the core sends it, without the prompt (the front has it; resending 1,000
+# prompt token ids with every delta would cost more than the delta), in plain tuples: the
+# front gets one per streamed token, and making and freeing dataclass instances (or
+# unpickling them) costs several times as much. The server reads them as they are; other
+# callers get RequestOutputs (RequestStream.next_batch).
+# (request_id, completions, finished, (first_scheduled_time, first_token_time, finished_time),
+# num_cached_tokens); a completion is CompletionOutput's fields in order.
+WireCompletion = tuple[int, str, list[int], float | None, SampleLogprobs | None, str | None, int | str | None]
+WireOutput = tuple[str, list[WireCompletion], bool, tuple[float | None, float | None, float | None], int]
 
 
 class EngineDeadError(RuntimeError):
@@ -55,32 +63,71 @@ class RequestStream:
     """One request's outputs, as an async iterator. Leaving it before the request finished
     (an exception, a cancelled task, `aclose()`) aborts the request."""
 
-    def __init__(self, engine: "AsyncLLM", request_id: str, prompt: str | None, prompt_token_ids: list[int]) -> None:
+    def __init__(self, engine: "AsyncLLM", request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 arrival_time: float) -> None:
+        """Create it on the event loop that will read it."""
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
+        # Shared by the request's outputs and updated as the engine reports (as offline).
+        self.metrics = RequestMetrics(arrival_time)
         self._engine = engine
-        self._items: list[RequestOutput | BaseException] = []
-        self._ready = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._outputs: list[WireOutput] = []
+        self._error: BaseException | None = None  # the engine's, once it died
+        # The reader's wake-up, while it waits (a bare future: cheaper than an asyncio.Event).
+        self._waiter: asyncio.Future[None] | None = None
         self.finished = False
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self._items.append(item)
-        self._ready.set()
+    def put(self, output: WireOutput) -> None:
+        self._outputs.append(output)
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with the engine's error (after the outputs already put)."""
+        self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # done: its reader was cancelled
+                waiter.set_result(None)
+
+    async def next_wire_batch(self) -> list[WireOutput]:
+        """Every output that arrived since the last call, waiting for one if there is none ([]
+        once the request finished): a consumer that fell behind catches up in one go (the
+        server writes such a list in one send). Raises EngineDeadError if the engine stopped.
+        A caller that leaves before the end must `aclose()`."""
+        if self.finished:
+            return []
+        while not self._outputs:
+            if self._error is not None:
+                raise EngineDeadError("The engine stopped while serving this request.") from self._error
+            self._waiter = self._loop.create_future()
+            await self._waiter
+        outputs, self._outputs = self._outputs, []
+        _, _, self.finished, _, _ = outputs[-1]
+        return outputs
+
+    async def next_batch(self) -> list[RequestOutput]:
+        """next_wire_batch's outputs as RequestOutputs."""
+        return [self.request_output(output) for output in await self.next_wire_batch()]
+
+    def request_output(self, output: WireOutput) -> RequestOutput:
+        request_id, completions, finished, times, num_cached_tokens = output
+        metrics = self.metrics
+        metrics.first_scheduled_time, metrics.first_token_time, metrics.finished_time = times
+        return RequestOutput(request_id, self.prompt, self.prompt_token_ids,
+                             list(itertools.starmap(CompletionOutput, completions)), finished, metrics,
+                             num_cached_tokens)
 
     async def batches(self) -> AsyncIterator[list[RequestOutput]]:
-        """Outputs in lists of all that arrived since the last one: a consumer that fell
-        behind catches up in one go (the server writes such a list in one send)."""
+        """The outputs in next_batch's lists."""
         try:
-            while not self.finished:
-                await self._ready.wait()
-                items, self._items = self._items, []
-                self._ready.clear()
-                for item in items:
-                    if isinstance(item, BaseException):
-                        raise EngineDeadError("The engine stopped while serving this request.") from item
-                self.finished = items[-1].finished
-                yield items
+            while batch := await self.next_batch():
+                yield batch
         finally:
             await self.aclose()
 
@@ -190,9 +237,9 @@ class AsyncLLM:
         self._loop = asyncio.get_running_loop()  # where outputs go
         streams = []
         for request_id, (prompt_text, prompt_token_ids) in zip(request_ids, checked):
-            stream = RequestStream(self, request_id, prompt_text, prompt_token_ids)
+            stream = RequestStream(self, request_id, prompt_text, prompt_token_ids, arrival_time)
             self._streams[request_id] = stream
-            self.metrics.on_request_added(request_id)
+            self.metrics.on_request_added(request_id, arrival_time, len(prompt_token_ids))
             self._outbox.put(("add", request_id, prompt_text, prompt_token_ids, params, arrival_time))
             streams.append(stream)
         return streams
@@ -237,24 +284,23 @@ class AsyncLLM:
         self._reader.join()
         self._tokenizer_pool.shutdown()
 
-    def _dispatch(self, outputs: list[_WireOutput]) -> None:
+    def _dispatch(self, outputs: list[WireOutput]) -> None:
         """On the event loop: route one step's outputs to their streams."""
-        now = time.time()
-        for request_id, completions, finished, metrics, num_cached_tokens in outputs:
-            stream = self._streams.get(request_id)
+        self.metrics.on_outputs(outputs, time.time())  # skips those of requests aborted meanwhile
+        streams = self._streams
+        for output in outputs:
+            request_id, _, finished, _, _ = output
+            stream = streams.get(request_id)
             if stream is None:  # aborted meanwhile
                 continue
-            output = RequestOutput(request_id, stream.prompt, stream.prompt_token_ids, completions, finished,
-                                   metrics, num_cached_tokens)
-            self.metrics.on_output(output, now)
             if finished:
-                del self._streams[request_id]
+                del streams[request_id]
             stream.put(output)
 
     def _fail_all(self, error: BaseException) -> None:
         """On the event loop: end every open stream with the engine's error."""
         for stream in self._streams.values():
-            stream.put(error)
+            stream.fail(error)
         self._streams.clear()
 
     # --- the command and results threads ---------------------------------------------------
@@ -274,10 +320,14 @@ class AsyncLLM:
         """Hand each step's outputs to the event loop; log stats periodically; notice the
         core's death."""
         next_log = time.monotonic() + (self._log_stats_interval_s or 0)
+        # One poll object for the thread's life (Connection.poll builds a selector per call).
+        poller = select.poll()
+        poller.register(self._results.fileno(), select.POLLIN)
         while True:
             timeout = max(next_log - time.monotonic(), 0) if self._log_stats_interval_s else None
             try:
-                message = self._results.recv() if self._results.poll(timeout) else None
+                ready = poller.poll(None if timeout is None else timeout * 1000)
+                message = self._results.recv() if ready else None
             except (EOFError, OSError):  # the process is gone without a word
                 if not self._stopping:
                     self.engine_process.join(_STOP_TIMEOUT_S)
@@ -334,8 +384,7 @@ def _engine_core(config: EngineConfig, commands: Connection, results: Connection
                 outputs = engine.step()
             stats = engine.stats()
             if outputs or stats != sent_stats:
-                results.send(("step", [(o.request_id, o.outputs, o.finished, o.metrics, o.num_cached_tokens)
-                                       for o in outputs], stats))
+                results.send(("step", [to_wire(output) for output in outputs], stats))
                 sent_stats = stats
         results.send(("stopped", None))
     except BaseException as error:  # reported to the front (then /health says 503)
@@ -346,6 +395,16 @@ def _engine_core(config: EngineConfig, commands: Connection, results: Connection
             pass  # the front is gone too
     finally:
         engine.shutdown()
+
+
+def to_wire(output: RequestOutput) -> WireOutput:
+    """The output as the core sends it (see WireOutput)."""
+    metrics = output.metrics
+    return (output.request_id,
+            [(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason)
+             for c in output.outputs],
+            output.finished, (metrics.first_scheduled_time, metrics.first_token_time, metrics.finished_time),
+            output.num_cached_tokens)
 
 
 def _apply_commands(engine: LLMEngine, commands: Connection) -> bool:

@@ -6,15 +6,25 @@ loop as outputs arrive there; engine-level ones (running, waiting, KV-cache usag
 cache, preemptions) are read from the engine when /metrics is scraped.
 """
 
+from __future__ import annotations
+
+import bisect
+import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
-from minivllm.outputs import RequestOutput
+if TYPE_CHECKING:
+    from minivllm.engine.async_llm import WireOutput
 
 logger = logging.getLogger("minivllm.stats")
 
@@ -29,55 +39,75 @@ _REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 
 
+@dataclass(slots=True)
+class _Request:
+    """What the metrics keep of an unfinished request."""
+
+    arrival_time: float
+    num_prompt_tokens: int
+    last_output_time: float | None = None  # None before its first output
+
+
 class ServingMetrics:
     def __init__(self, model_name: str, read_engine_stats: Callable[[], EngineStats]) -> None:
         # A registry of our own: several engines in one process (tests) must not collide.
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self._read_engine_stats = read_engine_stats
-        labels = ["model_name"]
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token, seconds.",
-                              labels, buckets=_TTFT_BUCKETS, registry=self.registry).labels(model_name)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens, seconds.",
-                             labels, buckets=_ITL_BUCKETS, registry=self.registry).labels(model_name)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency, seconds.",
-                             labels, buckets=_REQUEST_BUCKETS, registry=self.registry).labels(model_name)
-        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time spent waiting to be scheduled.",
-                                    labels, buckets=_REQUEST_BUCKETS, registry=self.registry).labels(model_name)
+        self.ttft = _Histogram("vllm:time_to_first_token_seconds", "Time to first token, seconds.",
+                               _TTFT_BUCKETS, model_name, self.registry)
+        self.itl = _Histogram("vllm:inter_token_latency_seconds", "Time between output tokens, seconds.",
+                              _ITL_BUCKETS, model_name, self.registry)
+        self.e2e = _Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency, seconds.",
+                              _REQUEST_BUCKETS, model_name, self.registry)
+        self.queue_time = _Histogram("vllm:request_queue_time_seconds", "Time spent waiting to be scheduled.",
+                                     _REQUEST_BUCKETS, model_name, self.registry)
         self.request_success = Counter("vllm:request_success", "Finished requests, by finish reason.",
-                                       labels + ["finished_reason"], registry=self.registry)
+                                       ["model_name", "finished_reason"], registry=self.registry)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        # Per unfinished request: when its last output arrived (None before the first).
-        self._last_output_time: dict[str, float | None] = {}
+        self._requests: dict[str, _Request] = {}  # unfinished ones
         self._last_log: tuple[float, int, int, int, int] | None = None
         self.registry.register(_EngineCollector(self))
 
     # --- recorded on the event loop ---------------------------------------------------------
 
-    def on_request_added(self, request_id: str) -> None:
-        self._last_output_time[request_id] = None
+    def on_request_added(self, request_id: str, arrival_time: float, num_prompt_tokens: int) -> None:
+        self._requests[request_id] = _Request(arrival_time, num_prompt_tokens)
 
-    def on_output(self, output: RequestOutput, now: float) -> None:
-        last = self._last_output_time.get(output.request_id)
-        metrics = output.metrics
-        if last is None:
-            self.ttft.observe(now - metrics.arrival_time)
-            if metrics.first_scheduled_time is not None:
-                self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
-            self.num_prompt_tokens += len(output.prompt_token_ids)
-        else:
-            self.itl.observe(now - last)
-        self.num_generation_tokens += sum(len(c.token_ids) for c in output.outputs)
-        if output.finished:
-            self._last_output_time.pop(output.request_id, None)
-            self.e2e.observe(now - metrics.arrival_time)
-            self.request_success.labels(self.model_name, output.outputs[0].finish_reason).inc()
-        else:
-            self._last_output_time[output.request_id] = now
+    def on_outputs(self, outputs: list[WireOutput], now: float) -> None:
+        """Record outputs that arrived at `now`: a step's, one per stream (so once per token).
+        Those of requests not added, or finished or aborted already, are left out."""
+        requests = self._requests
+        inter_token_latencies = []
+        num_tokens = 0
+        for request_id, completions, finished, times, _ in outputs:
+            request = requests.get(request_id)
+            if request is None:
+                continue
+            for _, _, token_ids, _, _, _, _ in completions:  # CompletionOutput's fields
+                num_tokens += len(token_ids)
+            if request.last_output_time is None:
+                self._first_output(request, times[0], now)  # times[0]: when it was first scheduled
+            else:
+                inter_token_latencies.append(now - request.last_output_time)
+            request.last_output_time = now
+            if finished:
+                del requests[request_id]
+                self.e2e.observe(now - request.arrival_time)
+                _, _, _, _, _, finish_reason, _ = completions[0]  # vLLM counts the first sample's
+                self.request_success.labels(self.model_name, finish_reason).inc()
+        self.itl.observe_many(inter_token_latencies)
+        self.num_generation_tokens += num_tokens
+
+    def _first_output(self, request: _Request, first_scheduled_time: float | None, now: float) -> None:
+        self.ttft.observe(now - request.arrival_time)
+        if first_scheduled_time is not None:
+            self.queue_time.observe(first_scheduled_time - request.arrival_time)
+        self.num_prompt_tokens += request.num_prompt_tokens
 
     def on_request_aborted(self, request_id: str) -> None:
-        self._last_output_time.pop(request_id, None)
+        self._requests.pop(request_id, None)
         self.request_success.labels(self.model_name, "abort").inc()
 
     # --- the periodic log line --------------------------------------------------------------
@@ -100,6 +130,40 @@ class ServingMetrics:
                     "Running: %d reqs, Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
                     prompt / elapsed, generation / elapsed, stats["num_running"], stats["num_waiting"],
                     100 * kv_cache_usage(stats), 100 * hits / queries if queries else 0.0)
+
+
+class _Histogram(Collector):
+    """A Prometheus histogram of one model's values, exposed as prometheus_client's Histogram
+    exposes one. Observed on the event loop only, so without the locks that Histogram takes
+    per observation: the inter-token one records every streamed token."""
+
+    def __init__(self, name: str, documentation: str, buckets: list[float], model_name: str,
+                 registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.model_name = model_name
+        self._bounds = [*buckets, math.inf]
+        self._counts = [0] * len(self._bounds)  # per bucket, not cumulative
+        self._sum = 0.0
+        self._created = time.time()
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        self.observe_many([value])
+
+    def observe_many(self, values: list[float]) -> None:
+        counts, bounds = self._counts, self._bounds
+        for value in values:
+            counts[bisect.bisect_left(bounds, value)] += 1  # the first bound >= value
+        self._sum += sum(values)
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["model_name"])
+        cumulative = itertools.accumulate(self._counts)
+        family.add_metric([self.model_name], [(floatToGoString(b), c) for b, c in zip(self._bounds, cumulative)],
+                          self._sum)
+        family.samples.append(Sample(f"{self.name}_created", {"model_name": self.model_name}, self._created))
+        yield family
 
 
 def kv_cache_usage(stats: EngineStats) -> float:

@@ -10,13 +10,13 @@ import logging
 import os
 import secrets
 import signal
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -31,10 +31,13 @@ from minivllm.entrypoints.openai.protocol import (
     OpenAIError,
     TokenizeRequest,
 )
-from minivllm.entrypoints.openai.serving import OpenAIServing
+from minivllm.entrypoints.openai.serving import EventStream, OpenAIServing
 
 logger = logging.getLogger(__name__)
 
+# Where _RawSendApp puts uvicorn's own `send` in a request's scope.
+_RAW_SEND = "minivllm.raw_send"
+_T = TypeVar("_T")
 
 
 def build_app(serving: OpenAIServing, api_key: str | None = None) -> FastAPI:
@@ -96,23 +99,75 @@ def build_app(serving: OpenAIServing, api_key: str | None = None) -> FastAPI:
     return app
 
 
-async def _respond(raw_request: Request, result: Awaitable[dict[str, Any]] | AsyncIterator[str]) -> Response:
+async def _respond(raw_request: Request, result: Awaitable[dict[str, Any]] | EventStream) -> Response:
     """Send a streaming result as SSE; await a plain one, aborting it if the client leaves."""
-    if isinstance(result, AsyncIterator):
-        # Starlette cancels the stream when the client disconnects; the stream's cleanup aborts.
-        return StreamingResponse(result, media_type="text/event-stream")
-    work = asyncio.ensure_future(result)
-    disconnect = asyncio.ensure_future(_wait_for_disconnect(raw_request))
-    done, _ = await asyncio.wait({work, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-    if work not in done:
-        work.cancel()  # the request streams' cleanup aborts them
+    if isinstance(result, EventStream):
+        return _EventStreamResponse(result)
+    work = await _unless_disconnected(result, raw_request.receive)
+    if work is None:
         return Response(status_code=499)  # nobody is there to read it
-    disconnect.cancel()
     return JSONResponse(work.result())
 
 
-async def _wait_for_disconnect(raw_request: Request) -> None:
-    while (await raw_request.receive())["type"] != "http.disconnect":
+class _EventStreamResponse(Response):
+    """SSE written by an EventStream in a task of its own (as Starlette's StreamingResponse
+    does: awaited from the request's task, every event would resume each coroutine of the
+    middleware stack on its way). A client that leaves cancels the writing, whose cleanup
+    aborts the engine requests.
+
+    The events go to uvicorn's own `send` when _RawSendApp put it in the scope: the
+    middleware stack wraps `send` in a coroutine per middleware, each only noting whether the
+    response started (the start message still goes through them). A middleware that rewrote
+    bodies (compression) would be skipped."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: EventStream) -> None:  # no body: no content-length header
+        self.events = events
+        self.status_code = 200
+        self.background = None
+        self.init_headers()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        body_send = scope.get(_RAW_SEND, send)
+        writing = await _unless_disconnected(self.events.write(body_send), receive)
+        if writing is not None:
+            writing.result()  # errors after the start are error events: this raises on bugs only
+            await body_send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class _RawSendApp:
+    """The outermost ASGI layer: puts uvicorn's `send` in each HTTP request's scope (see
+    _EventStreamResponse)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[_RAW_SEND] = send
+        await self.app(scope, receive, send)
+
+
+async def _unless_disconnected(work: Awaitable[_T], receive: Receive) -> asyncio.Future[_T] | None:
+    """Run work in a task until it ends or the client disconnects: the task once done, or
+    None if the client left first (the work is cancelled then: cleanup aborts its engine
+    requests)."""
+    task = asyncio.ensure_future(work)
+    disconnect = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})  # its cleanup done before the response ends
+    return None if task.cancelled() else task
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
@@ -183,7 +238,7 @@ def run_server(args: argparse.Namespace) -> None:
     engine = AsyncLLM(config, model_name=names[0], log_stats_interval_s=None if args.disable_log_stats else 10.0)
     try:
         app = build_app(OpenAIServing(engine, names), args.api_key or os.environ.get("VLLM_API_KEY"))
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+        server = uvicorn.Server(uvicorn.Config(_RawSendApp(app), host=args.host, port=args.port, log_level="info",
                                                access_log=not args.disable_uvicorn_access_log,
                                                timeout_graceful_shutdown=5))
         # uvicorn re-raises the signal that stopped it once it is done; these handlers take

@@ -2,19 +2,27 @@
 
 A request becomes one engine request per prompt (n samples each); their delta outputs are
 merged into one sequence of per-choice deltas, which a streaming request sends as one SSE
-event per generated token and a plain request gathers into one response.
+event per generated token and a plain request gathers into one response. A stream's events
+are the server's hot path (one per token, for every open stream): the common event is
+written from a template, without building and encoding a dict.
 """
 
 import asyncio
+import itertools
 import json
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
+from json.encoder import encode_basestring_ascii
+from types import TracebackType
 from typing import Any
 
-from minivllm.engine.async_llm import AsyncLLM, RequestStream
+from starlette.types import Message, Send
+
+from minivllm.engine.async_llm import AsyncLLM, RequestStream, WireCompletion, WireOutput
 from minivllm.entrypoints.chat_utils import render_chat_prompt
 from minivllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -23,7 +31,7 @@ from minivllm.entrypoints.openai.protocol import (
     OpenAIError,
     _SamplingRequest,
 )
-from minivllm.outputs import Logprob, RequestOutput
+from minivllm.outputs import CompletionOutput, Logprob
 from minivllm.sampling_params import SamplingParams
 
 # The sampling fields a model's generation_config.json may set as defaults (vLLM applies them).
@@ -44,16 +52,9 @@ def generation_config_defaults(model_dir: str) -> dict[str, Any]:
     return {name: config[name] for name in _GENERATION_CONFIG_FIELDS if config.get(name) is not None}
 
 
-@dataclass
-class _Delta:
-    """What one engine output adds to one choice."""
-
-    index: int  # the choice: prompt index * n + sample index
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None
-    stop_reason: int | str | None
+# What one engine output adds to one choice: the choice's index (prompt index * n + sample
+# index) and the engine's delta for it.
+_Delta = tuple[int, WireCompletion]
 
 
 @dataclass
@@ -78,11 +79,19 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
-    def add(self, delta: _Delta) -> None:
+    def add(self, delta: CompletionOutput) -> None:
         self.text.append(delta.text)
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs or []
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+class EventStream:
+    """A streaming request's answer: `write(send)` sends its SSE events as ASGI
+    http.response.body messages (the caller sends the response's start and its end)."""
+
+    def __init__(self, write: Callable[[Send], Awaitable[None]]) -> None:
+        self.write = write
 
 
 class OpenAIServing:
@@ -141,7 +150,7 @@ class OpenAIServing:
 
     # --- /v1/completions --------------------------------------------------------------------
 
-    async def create_completion(self, request: CompletionRequest) -> Awaitable[Json] | AsyncIterator[str]:
+    async def create_completion(self, request: CompletionRequest) -> Awaitable[Json] | EventStream:
         """Queue the request; return what makes the response body, or the SSE events of a
         streaming response. Raises OpenAIError or ValueError (both 400) before anything is
         queued."""
@@ -157,10 +166,10 @@ class OpenAIServing:
         streams = await self._start(prompts, params, request_id)
         echoes = [self._prompt_text(text, token_ids) if request.echo else "" for text, token_ids in prompts]
         response = _CompletionResponse(request_id, request.model or self.served_model_names[0], request,
-                                       params.n, echoes)
+                                       params.n, echoes, streams)
         if request.stream:
-            return response.stream(streams, request.include_usage)
-        return response.gather(streams)
+            return EventStream(partial(response.stream, request.include_usage))
+        return response.gather()
 
     async def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]
                                   ) -> list[tuple[str | None, list[int]]]:
@@ -178,7 +187,7 @@ class OpenAIServing:
 
     # --- /v1/chat/completions ---------------------------------------------------------------
 
-    async def create_chat_completion(self, request: ChatCompletionRequest) -> Awaitable[Json] | AsyncIterator[str]:
+    async def create_chat_completion(self, request: ChatCompletionRequest) -> Awaitable[Json] | EventStream:
         self.check_model(request.model)
         token_ids = await self.chat_prompt(request.messages, request.add_generation_prompt,
                                            request.template_kwargs())
@@ -188,10 +197,11 @@ class OpenAIServing:
         params = self._sampling_params(request, max_tokens, num_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._start([(None, token_ids)], params, request_id)
-        response = _ChatResponse(request_id, request.model or self.served_model_names[0], num_logprobs, params.n)
+        response = _ChatResponse(request_id, request.model or self.served_model_names[0], num_logprobs, params.n,
+                                 streams)
         if request.stream:
-            return response.stream(streams, request.include_usage)
-        return response.gather(streams)
+            return EventStream(partial(response.stream, request.include_usage))
+        return response.gather()
 
 
 class _Response:
@@ -201,71 +211,81 @@ class _Response:
     object_name: str
     chunk_object_name: str
 
-    def __init__(self, request_id: str, model: str, n: int) -> None:
+    def __init__(self, request_id: str, model: str, n: int, streams: list[RequestStream]) -> None:
         self.id = request_id
         self.model = model
         self.n = n
+        self.streams = streams  # one engine request per prompt
         self.created = int(time.time())
         self.usage = _Usage()
+        self.finished: set[int] = set()  # choices whose last delta was taken
+        # Per engine request id: its first choice's index and its number of prompt tokens.
+        self.prompts = {stream.request_id: (i * n, len(stream.prompt_token_ids)) for i, stream in enumerate(streams)}
 
-    async def deltas(self, streams: list[RequestStream]) -> AsyncIterator[list[_Delta]]:
-        """Every choice's deltas, a list per batch of engine outputs (see RequestStream.batches).
-        Closing this aborts what is unfinished."""
-        finished: set[int] = set()
-        async for prompt_index, outputs in _merge(streams):
-            deltas = []
-            for output in outputs:
-                if output.finished:  # a prompt's cached-token count is final once it finishes
-                    self.usage.prompt_tokens += len(output.prompt_token_ids)
-                    self.usage.cached_tokens += output.num_cached_tokens
-                for completion in output.outputs:
-                    index = prompt_index * self.n + completion.index
-                    if index in finished or not (completion.token_ids or completion.finish_reason):
-                        continue
-                    if completion.finish_reason is not None:
-                        finished.add(index)
-                    self.usage.completion_tokens += len(completion.token_ids)
-                    deltas.append(_Delta(index, completion.text, completion.token_ids, completion.logprobs,
-                                         completion.finish_reason, completion.stop_reason))
-            yield deltas
+    def deltas(self, outputs: list[WireOutput]) -> list[_Delta]:
+        """What a batch of engine outputs adds to the choices; counts the usage."""
+        deltas = []
+        for request_id, completions, finished, _, num_cached_tokens in outputs:
+            first_index, num_prompt_tokens = self.prompts[request_id]
+            if finished:  # a prompt's cached-token count is final once it finishes
+                self.usage.prompt_tokens += num_prompt_tokens
+                self.usage.cached_tokens += num_cached_tokens
+            for completion in completions:
+                sample, _, token_ids, _, _, finish_reason, _ = completion  # CompletionOutput's fields
+                index = first_index + sample
+                if index in self.finished or not (token_ids or finish_reason):
+                    continue
+                if finish_reason is not None:
+                    self.finished.add(index)
+                self.usage.completion_tokens += len(token_ids)
+                deltas.append((index, completion))
+        return deltas
 
-    async def gather(self, streams: list[RequestStream]) -> Json:
-        choices = [_Choice() for _ in range(len(streams) * self.n)]
-        async for deltas in self.deltas(streams):
-            for delta in deltas:
-                choices[delta.index].add(delta)
+    async def gather(self) -> Json:
+        choices = [_Choice() for _ in range(len(self.streams) * self.n)]
+        async with _Merged(self.streams) as merged:
+            while outputs := await merged.next():
+                for index, delta in self.deltas(outputs):
+                    choices[index].add(CompletionOutput(*delta))
         return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
                 "choices": [self.final_choice(i, choice) for i, choice in enumerate(choices)],
                 "usage": self.usage.as_json()}
 
-    async def stream(self, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
-        """SSE events: one per generated token (those that arrived together written at once);
-        an error after the start arrives as an error event; then the usage chunk (if asked)
-        and [DONE]."""
+    async def stream(self, include_usage: bool, send: Send) -> None:
+        """Send the SSE events (see EventStream): one per generated token (those that arrived
+        together in one message); an error after the start as an error event; then the usage
+        chunk (if asked) and [DONE]."""
         # Every chunk is this prefix, its choice and this suffix: only the choice is encoded
         # per event.
         prefix = (f'data: {{"id": "{self.id}", "object": "{self.chunk_object_name}", '
                   f'"created": {self.created}, "model": {json.dumps(self.model)}, "choices": [')
         suffix = '], "usage": null}\n\n' if include_usage else "]}\n\n"
+        between = suffix + prefix
         try:
-            opening = self.opening_choices(len(streams) * self.n)
+            opening = self.opening_choices(len(self.streams) * self.n)
             if opening:
-                yield "".join(prefix + json.dumps(choice) + suffix for choice in opening)
-            async for deltas in self.deltas(streams):
-                if deltas:
-                    yield "".join(prefix + json.dumps(self.chunk_choice(delta)) + suffix for delta in deltas)
+                await send(_body("".join(prefix + json.dumps(choice) + suffix for choice in opening)))
+            async with _Merged(self.streams) as merged:
+                next_batch, chunk_json = merged.next, self.chunk_json
+                while outputs := await next_batch():
+                    if deltas := self.deltas(outputs):
+                        await send(_body(prefix + between.join(itertools.starmap(chunk_json, deltas)) + suffix))
             if include_usage:
-                yield _sse({"id": self.id, "object": self.chunk_object_name, "created": self.created,
-                            "model": self.model, "choices": [], "usage": self.usage.as_json()})
+                await send(_body(_sse({"id": self.id, "object": self.chunk_object_name, "created": self.created,
+                                       "model": self.model, "choices": [], "usage": self.usage.as_json()})))
         except Exception as error:  # noqa: BLE001 (the status line is sent: report it in the stream)
             status = error.status if isinstance(error, OpenAIError) else 500
-            yield _sse(OpenAIError(str(error), status).body())
-        yield "data: [DONE]\n\n"
+            await send(_body(_sse(OpenAIError(str(error), status).body())))
+        await send(_body("data: [DONE]\n\n"))
 
     def opening_choices(self, num_choices: int) -> list[Json]:
         return []
 
-    def chunk_choice(self, delta: _Delta) -> Json:
+    def chunk_json(self, index: int, delta: WireCompletion) -> str:
+        """A chunk's choice as JSON text (subclasses write the common case from a template)."""
+        return json.dumps(self.chunk_choice(index, CompletionOutput(*delta)))
+
+    def chunk_choice(self, index: int, delta: CompletionOutput) -> Json:
         raise NotImplementedError
 
     def final_choice(self, index: int, choice: _Choice) -> Json:
@@ -275,12 +295,14 @@ class _Response:
 class _CompletionResponse(_Response):
     object_name = chunk_object_name = "text_completion"
 
-    def __init__(self, request_id: str, model: str, request: CompletionRequest, n: int, echoes: list[str]) -> None:
-        super().__init__(request_id, model, n)
+    def __init__(self, request_id: str, model: str, request: CompletionRequest, n: int, echoes: list[str],
+                 streams: list[RequestStream]) -> None:
+        super().__init__(request_id, model, n, streams)
         self.num_logprobs = request.logprobs
         self.echoes = echoes  # per prompt: its text when echo is set, else ""
         self.echoed: set[int] = set()
         self.text_offsets: dict[int, int] = {}  # per choice, for streamed logprobs
+        self.plain = request.logprobs is None and not request.echo  # chunks from chunk_json's template
 
     def _echo(self, index: int) -> str:
         """The prompt's text before a choice's first text (once), when echo is set."""
@@ -289,14 +311,22 @@ class _CompletionResponse(_Response):
         self.echoed.add(index)
         return self.echoes[index // self.n]
 
-    def chunk_choice(self, delta: _Delta) -> Json:
-        text = self._echo(delta.index) + delta.text
+    def chunk_json(self, index: int, delta: WireCompletion) -> str:
+        _, text, _, _, _, finish_reason, _ = delta
+        if not self.plain or finish_reason is not None:
+            return super().chunk_json(index, delta)
+        # chunk_choice's JSON (a running choice has no stop reason).
+        return (f'{{"index": {index}, "text": {encode_basestring_ascii(text)}, '
+                '"logprobs": null, "finish_reason": null, "stop_reason": null}')
+
+    def chunk_choice(self, index: int, delta: CompletionOutput) -> Json:
+        text = self._echo(index) + delta.text
         logprobs = None
         if self.num_logprobs is not None:
-            offset = self.text_offsets.get(delta.index, 0)
-            logprobs, self.text_offsets[delta.index] = _completion_logprobs(
+            offset = self.text_offsets.get(index, 0)
+            logprobs, self.text_offsets[index] = _completion_logprobs(
                 delta.token_ids, delta.logprobs, self.num_logprobs, offset)
-        return {"index": delta.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason,
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason,
                 "stop_reason": delta.stop_reason}
 
     def final_choice(self, index: int, choice: _Choice) -> Json:
@@ -311,8 +341,9 @@ class _ChatResponse(_Response):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, request_id: str, model: str, num_logprobs: int | None, n: int) -> None:
-        super().__init__(request_id, model, n)
+    def __init__(self, request_id: str, model: str, num_logprobs: int | None, n: int,
+                 streams: list[RequestStream]) -> None:
+        super().__init__(request_id, model, n, streams)
         self.num_logprobs = num_logprobs
 
     def opening_choices(self, num_choices: int) -> list[Json]:
@@ -320,8 +351,16 @@ class _ChatResponse(_Response):
         return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None} for i in range(num_choices)]
 
-    def chunk_choice(self, delta: _Delta) -> Json:
-        return {"index": delta.index, "delta": {"content": delta.text},
+    def chunk_json(self, index: int, delta: WireCompletion) -> str:
+        _, text, _, _, _, finish_reason, _ = delta
+        if self.num_logprobs is not None or finish_reason is not None:
+            return super().chunk_json(index, delta)
+        # chunk_choice's JSON (a running choice has no stop reason).
+        return (f'{{"index": {index}, "delta": {{"content": {encode_basestring_ascii(text)}}}, '
+                '"logprobs": null, "finish_reason": null, "stop_reason": null}')
+
+    def chunk_choice(self, index: int, delta: CompletionOutput) -> Json:
+        return {"index": index, "delta": {"content": delta.text},
                 "logprobs": self._logprobs(delta.token_ids, delta.logprobs),
                 "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
 
@@ -371,36 +410,58 @@ def _sse(payload: Json) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, list[RequestOutput]]]:
-    """(prompt index, a batch of its outputs) from several request streams, in arrival order.
-    Leaving early (an error, a disconnect) aborts every unfinished stream."""
-    if len(streams) == 1:
-        async for batch in streams[0].batches():
-            yield 0, batch
-        return
-    merged: asyncio.Queue[tuple[int, list[RequestOutput] | BaseException | None]] = asyncio.Queue()
+def _body(text: str) -> Message:
+    """An ASGI message with more of the response's body."""
+    return {"type": "http.response.body", "body": text.encode(), "more_body": True}
 
-    async def pump(index: int, stream: RequestStream) -> None:
-        try:
-            async for batch in stream.batches():
-                merged.put_nowait((index, batch))
-            merged.put_nowait((index, None))
-        except Exception as error:  # noqa: BLE001 (re-raised by the consumer)
-            merged.put_nowait((index, error))
 
-    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+# A batch of one stream's outputs | the error that ended a stream | None: a stream finished.
+_Queue = asyncio.Queue[list[WireOutput] | BaseException | None]
+
+
+async def _pump(merged: _Queue, stream: RequestStream) -> None:
     try:
-        remaining = len(streams)
-        while remaining:
-            index, item = await merged.get()
+        while batch := await stream.next_wire_batch():
+            merged.put_nowait(batch)
+        merged.put_nowait(None)
+    except Exception as error:  # noqa: BLE001 (re-raised by the consumer)
+        merged.put_nowait(error)
+
+
+class _Merged:
+    """The outputs of a request's streams (one per prompt) in arrival order, a batch per
+    `await next()` ([] once every stream finished). Used as an async context manager:
+    leaving it (an error, a disconnect) aborts every unfinished stream."""
+
+    def __init__(self, streams: list[RequestStream]) -> None:
+        self.streams = streams
+        self._remaining = len(streams)
+        self._merged: _Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        if len(streams) == 1:
+            # Read directly: no task, queue or frame of ours on the path of every event.
+            self.next: Callable[[], Awaitable[list[WireOutput]]] = streams[0].next_wire_batch
+        else:
+            self.next = self._next_merged
+            self._tasks = [asyncio.create_task(_pump(self._merged, stream)) for stream in streams]
+
+    async def _next_merged(self) -> list[WireOutput]:
+        while self._remaining:
+            item = await self._merged.get()
             if item is None:
-                remaining -= 1
+                self._remaining -= 1
             elif isinstance(item, BaseException):
                 raise item
             else:
-                yield index, item
-    finally:
-        for task in tasks:
+                return item
+        return []
+
+    async def __aenter__(self) -> "_Merged":
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                        traceback: TracebackType | None) -> None:
+        for task in self._tasks:
             task.cancel()
-        for stream in streams:
+        for stream in self.streams:
             await stream.aclose()
