@@ -110,6 +110,9 @@ def _token_ids(values: object) -> list[int]:
     """A prompt's token ids as a list of plain ints; anything else is the caller's mistake."""
     if hasattr(values, "ndim") and hasattr(values, "tolist"):
         values = values.tolist()
+    # The common case, plain ints, checked at C speed (the server runs this on its event loop).
+    if isinstance(values, (list, tuple)) and set(map(type, values)) <= {int}:
+        return list(values)
     if not isinstance(values, (list, tuple)) or not all(_is_token_id(t) for t in values):
         raise ValueError("prompt_token_ids must be a list of integers.")
     return [int(t) for t in values]
