@@ -11,6 +11,7 @@
 #   w1_fp8 W1 throughput, qwen3-0.6b, FP8 KV cache                     (~1 min)
 #   w5     W1's requests on qwen3-30b-a3b (MoE, dummy weights)        (~2-3 min)
 #   moe    fused_moe.py at Qwen3-30B-A3B's expert shapes, with the tile sweep (~1.5 min)
+#   fp8    decode attention on W1's batches over an FP8 cache, split and tile sweep (~3 min)
 #   w2     W2 latency, qwen3-0.6b                                      (< 1 min)
 #   w3     W3 shared prefix, caching on and off, qwen3-0.6b            (~1-2 min, two engines)
 #   hf     W1 on transformers continuous batching, qwen3-0.6b, with --num-prompts 128:
@@ -52,7 +53,7 @@ if ! python3 -c "import gguf" 2>/dev/null && compgen -G ".gw/gguf-*.whl" > /dev/
         export PYTHONPATH=/tmp/gg${PYTHONPATH:+:$PYTHONPATH}
 fi
 
-ALL_STEPS="tests w1 w1_fp8 w2 w3 w5 hf w1_8b kernels moe profile"
+ALL_STEPS="tests w1 w1_fp8 w2 w3 w5 hf w1_8b kernels moe fp8 profile"
 [[ "$GPU_CHECK" == all ]] && GPU_CHECK="${ALL_STEPS// /,}"
 failed=0
 
@@ -103,6 +104,7 @@ for step in ${GPU_CHECK//,/ }; do
         w3)    bench w3 prefix_cache.py --model qwen3-0.6b ;;
         w5)    bench w5 throughput.py --model qwen3-30b-a3b --step-breakdown ;;
         moe)   run_step moe_kernels python3 -m benchmarks.kernels.fused_moe --sweep ;;
+        fp8)   run_step decode_w1_fp8 python3 -m benchmarks.kernels.decode_w1 --every 64 --sweep --kv-cache-dtype fp8 ;;
         hf)    bench hf throughput.py --model qwen3-0.6b --backend hf --num-prompts 128 ;;
         w1_8b) bench w1_8b throughput.py --model qwen3-8b --step-breakdown ;;
         kernels)  # kernel microbenchmarks: decode/mixed attention, cascade, fused small ops

@@ -11,9 +11,11 @@ not L2, as in a step of 28 layers.
 
 Variants: the engine's launch (the batch longest first, as the runner orders decodes: the GPU
 starts programs roughly in launch order, so no long context starts last and sets the launch's
-tail); the batch in admission order; and (--sweep) half and twice the engine's split count.
+tail); the batch in admission order; and (--sweep) half and twice the engine's split count,
+and key tiles (BLOCK_N) of half and twice decode_config's. --kv-cache-dtype fp8: the cache in
+float8 e4m3 (half the bytes; bandwidth is still bytes read / time).
 
-    python -m benchmarks.kernels.decode_w1 [--every 32] [--sweep]
+    python -m benchmarks.kernels.decode_w1 [--every 32] [--sweep] [--kv-cache-dtype fp8]
 """
 
 import argparse
@@ -27,6 +29,7 @@ import triton
 import triton.testing
 
 from benchmarks.common import DEFAULT_MAX_MODEL_LEN, shuffled_block_tables, w1_requests
+from minivllm.attention.torch_backend import to_cache_dtype
 from minivllm.executor.cuda_graphs import graph_batch_sizes
 from minivllm.kernels import paged_attention as pa
 from minivllm.kernels import sm_count
@@ -45,23 +48,29 @@ def w1_decode_batches(every: int) -> list[tuple[int, list[int]]]:
             for t in range(0, longest, every)]
 
 
-def build_layers(seq_lens: list[int], gen: random.Random) -> list[tuple[torch.Tensor, ...]]:
+def kv_bytes(num_tokens: int, kv_dtype: torch.dtype) -> int:
+    """One layer's K and V bytes for num_tokens cached tokens."""
+    return num_tokens * HKV * D * 2 * kv_dtype.itemsize
+
+
+def build_layers(seq_lens: list[int], gen: random.Random, kv_dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
     """Enough layers' (k_cache, v_cache, block_tables) for the batch to total MIN_BYTES_PER_TIMING."""
     need = [triton.cdiv(s, BLOCK) for s in seq_lens]
-    bytes_per_layer = sum(seq_lens) * HKV * D * 2 * 2
     layers = []
-    for _ in range(max(1, int(MIN_BYTES_PER_TIMING // bytes_per_layer) + 1)):
+    for _ in range(max(1, int(MIN_BYTES_PER_TIMING // kv_bytes(sum(seq_lens), kv_dtype)) + 1)):
         table = shuffled_block_tables(need, gen)
-        k_cache = torch.randn(sum(need), BLOCK, HKV, D, dtype=DTYPE, device="cuda")
-        layers.append((k_cache, torch.randn_like(k_cache), table.cuda()))
+        k_cache, v_cache = (to_cache_dtype(torch.randn(sum(need), BLOCK, HKV, D, dtype=DTYPE, device="cuda"),
+                                           kv_dtype) for _ in range(2))
+        layers.append((k_cache, v_cache, table.cuda()))
     return layers
 
 
-def time_variant(seq_lens: list[int], padded: int, num_splits: int, gen: random.Random, kernels=pa) -> float:
+def time_variant(seq_lens: list[int], padded: int, num_splits: int, gen: random.Random,
+                 kv_dtype: torch.dtype, config: dict | None) -> float:
     """Seconds per layer of the decode launch (split kernel + reduce) over seq_lens padded
-    with empty rows to `padded`, timed inside a CUDA graph."""
+    with empty rows to `padded`, timed inside a CUDA graph; config: decode_config's, if None."""
     lens = seq_lens + [0] * (padded - len(seq_lens))
-    layers = build_layers([max(1, s) for s in lens], gen)
+    layers = build_layers([max(1, s) for s in lens], gen, kv_dtype)
     lens_dev = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = torch.randn(padded, HQ, D, dtype=DTYPE, device="cuda")
     out = torch.empty_like(q)
@@ -70,50 +79,55 @@ def time_variant(seq_lens: list[int], padded: int, num_splits: int, gen: random.
 
     def step() -> None:
         for k_cache, v_cache, table in layers:
-            kernels.paged_attention_decode(q, k_cache, v_cache, lens_dev, table, D ** -0.5, num_splits,
-                                           out=out, part_out=part_out, part_lse=part_lse)
+            pa.paged_attention_decode(q, k_cache, v_cache, lens_dev, table, D ** -0.5, num_splits,
+                                      out=out, part_out=part_out, part_lse=part_lse, config=config)
     step()
     return triton.testing.do_bench_cudagraph(step, rep=60, return_mode="median") * 1e-3 / len(layers)
 
 
 # A variant: (context lengths in admission order, padded batch, engine split count) ->
-# (lengths as launched, split count, kernels module).
-Variant = Callable[[list[int], int, int], tuple[list[int], int, Any]]
+# (lengths as launched, split count, tile config or None for decode_config's).
+Variant = Callable[[list[int], int, int], tuple[list[int], int, dict[str, Any] | None]]
 
 
 def variants(sweep: bool) -> dict[str, Variant]:
     def longest_first(lens: list[int]) -> list[int]:
         return sorted(lens, reverse=True)
     chosen: dict[str, Variant] = {
-        "admission order": lambda lens, padded, splits: (lens, splits, pa),
-        "engine (longest first)": lambda lens, padded, splits: (longest_first(lens), splits, pa),
+        "admission order": lambda lens, padded, splits: (lens, splits, None),
+        "engine (longest first)": lambda lens, padded, splits: (longest_first(lens), splits, None),
     }
     if sweep:
         chosen["longest first, splits / 2"] = (
-            lambda lens, padded, splits: (longest_first(lens), max(1, splits // 2), pa))
+            lambda lens, padded, splits: (longest_first(lens), max(1, splits // 2), None))
         chosen["longest first, splits x 2"] = (
-            lambda lens, padded, splits: (longest_first(lens), min(pa.DECODE_MAX_SPLITS, splits * 2), pa))
+            lambda lens, padded, splits: (longest_first(lens), min(pa.DECODE_MAX_SPLITS, splits * 2), None))
+        block_n = pa.decode_config(D, DTYPE)["BLOCK_N"]
+        for factor, label in ((2, "x 2"), (0.5, "/ 2")):
+            config = pa.decode_config(D, DTYPE) | {"BLOCK_N": int(block_n * factor)}
+            chosen[f"longest first, BLOCK_N {label}"] = (
+                lambda lens, padded, splits, config=config: (longest_first(lens), splits, config))
     return chosen
 
 
-def run(every: int, chosen: dict[str, Variant]) -> None:
+def run(every: int, chosen: dict[str, Variant], kv_dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     gen = random.Random(0)
     sms = sm_count(torch.device("cuda"))
     sizes = graph_batch_sizes(MAX_NUM_SEQS)
-    kv_bytes_per_token = 28 * HKV * D * 2 * 2  # the whole model's K and V, per cached token
+    kv_bytes_per_token = 28 * kv_bytes(1, kv_dtype)  # the whole model's K and V, per cached token
     totals = dict.fromkeys(chosen, 0.0)
     ideal = 0.0
-    print(f"GPU: {torch.cuda.get_device_name()}; W1 decode steps every {every}; per-layer times, "
-          f"bandwidth = K+V bytes / time", flush=True)
+    print(f"GPU: {torch.cuda.get_device_name()}; W1 decode steps every {every}; KV cache {kv_dtype}; "
+          f"per-layer times, bandwidth = K+V bytes / time", flush=True)
     for step, seq_lens in w1_decode_batches(every):
         padded = next(s for s in sizes if s >= len(seq_lens))
         splits = pa.decode_num_splits(padded, HKV, DEFAULT_MAX_MODEL_LEN, sms)  # as the engine's graph
-        layer_bytes = sum(seq_lens) * HKV * D * 2 * 2
+        layer_bytes = kv_bytes(sum(seq_lens), kv_dtype)
         cells = []
         for name, variant in chosen.items():
-            lens, num_splits, kernels = variant(seq_lens, padded, splits)
-            seconds = time_variant(lens, padded, num_splits, gen, kernels)
+            lens, num_splits, config = variant(seq_lens, padded, splits)
+            seconds = time_variant(lens, padded, num_splits, gen, kv_dtype, config)
             totals[name] += seconds * 28 * every  # 28 layers; this step stands for `every` steps
             cells.append(f"{name} {seconds * 1e6:6.1f} us {layer_bytes / seconds / 1e12:4.2f} TB/s ({num_splits})")
         ideal += sum(seq_lens) * kv_bytes_per_token * every
@@ -128,11 +142,14 @@ def run(every: int, chosen: dict[str, Variant]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--every", type=int, default=32, help="time every this many'th decode step")
-    parser.add_argument("--sweep", action="store_true", help="also time half and twice the engine's split count")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time half and twice the engine's split count and key tile")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="'fp8': the cache in float8 e4m3 ('auto': bf16, the queries' dtype)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_w1.py needs a CUDA GPU")
-    run(args.every, variants(args.sweep))
+    run(args.every, variants(args.sweep), torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE)
 
 
 if __name__ == "__main__":
