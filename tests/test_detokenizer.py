@@ -191,12 +191,13 @@ def test_random_token_ids_stream_to_their_decode(prompt: list[int], output: list
 
 def _reference_stop(output: list[int], stops: list[str], include: bool) -> tuple[str, str | None]:
     """Re-decode everything after each token (slow and obviously right): the first stop
-    string to complete wins; among those completed by the same token, the earliest."""
+    string to complete wins; among those completed by the same token, the earliest; of
+    those starting at the same place, the first in the list."""
     for k in range(1, len(output) + 1):
         text = TOKENIZER.decode(output[:k]).rstrip(FFFD)
         found = [(text.find(s), s) for s in stops if s in text]
         if found:
-            index, stop = min(found)
+            index, stop = min(found, key=lambda match: match[0])  # min keeps the first of equals
             return text[:index + len(stop) if include else index], stop
     return TOKENIZER.decode(output), None
 
