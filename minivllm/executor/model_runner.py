@@ -136,9 +136,9 @@ class ModelRunner:
                 attn = self.model.attention_layers()[0]
                 self.backend.warm_up_shared_prefix((attn.num_heads, attn.head_dim), self.dtype, attn.k_cache,
                                                    attn.v_cache, config.max_num_seqs)
-        if tp_rank() == 0:  # rank 0 samples
-            from minivllm.kernels import sampling  # needs a GPU
-            sampling.warm_up(self.vocab_size, self.dtype, self.device)
+            if tp_rank() == 0:  # rank 0 samples, with the Triton kernel
+                from minivllm.kernels import sampling  # needs a GPU
+                sampling.warm_up(self.vocab_size, self.dtype, self.device)
 
     def _make_attention_backend(self) -> AttentionBackend:
         if self.config.kernels == "triton":
