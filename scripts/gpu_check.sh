@@ -31,9 +31,7 @@
 # Every benchmark appends one JSON line to $OUT/results.jsonl; each step's output goes
 # to $OUT/<step>.log (tests: $OUT/gpu_tests.log); $OUT/summary.txt lists each step's
 # exit status and seconds; $OUT/env.txt has nvidia-smi and package versions.
-# Runs in the repository root with the system python3 (no venv). The accelerator's image lacks
-# the `gguf` package minivllm imports: carry its wheel in .gw/ (git-ignored; copy it from the
-# peer's set: cp .vl/b1/gguf-*.whl .gw/), which is installed to /tmp/gg here.
+# Runs in the repository root with the system python3 (no venv); carry .gw/ (scripts/device_gguf.sh).
 
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
@@ -48,10 +46,7 @@ RESULTS="$OUT/results.jsonl"
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
 cd "$(dirname "$0")/.."
-if ! python3 -c "import gguf" 2>/dev/null && compgen -G ".gw/gguf-*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/gg .gw/gguf-*.whl &&
-        export PYTHONPATH=/tmp/gg${PYTHONPATH:+:$PYTHONPATH}
-fi
+source scripts/device_gguf.sh
 
 ALL_STEPS="tests w1 w1_fp8 w2 w3 w5 hf w1_8b kernels moe fp8 profile"
 [[ "$GPU_CHECK" == all ]] && GPU_CHECK="${ALL_STEPS// /,}"

@@ -4,7 +4,7 @@
 # calls (../shared/peer/README.md), in the same call as the last one:
 #   run("bash .vl/tools/stage.sh && bash .vl/tools/install.sh > /tmp/install.log && bash scripts/w4_pair.sh",
 #       carry=[".vl/tools", ".vl/b4", ".whl", ".gw"])
-# .gw holds the gguf wheel minivllm imports (the machine lacks it; see scripts/gpu_check.sh).
+# .gw holds the gguf wheel minivllm imports (scripts/device_gguf.sh).
 # .whl, when carried, holds an httptools wheel that both servers get (a pip install of either
 # has it; the peer's wheel set does not). Make it here, once (.whl is git-ignored):
 #   echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: \
@@ -18,10 +18,7 @@ if compgen -G ".whl/httptools-*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/httptools .whl/httptools-*.whl &&
         export PYTHONPATH=/tmp/httptools${PYTHONPATH:+:$PYTHONPATH}
 fi
-if ! python3 -c "import gguf" 2>/dev/null && compgen -G ".gw/gguf-*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/gg .gw/gguf-*.whl &&
-        export PYTHONPATH=/tmp/gg${PYTHONPATH:+:$PYTHONPATH}
-fi
+source scripts/device_gguf.sh
 for name in minivllm vllm; do
     if [[ $name == minivllm ]]; then
         export SERVER_CMD="python3 -m minivllm serve" NAME=minivllm
