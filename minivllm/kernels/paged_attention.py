@@ -28,7 +28,8 @@ Layout (see minivllm/attention/metadata.py): k_cache, v_cache are
 block_tables[b, t // block_size] at offset t % block_size. K/V tiles are gathered token by
 token (each token looks up its block id), which makes BLOCK_N independent of block_size.
 The cache holds q's dtype, or float8 e4m3 (an FP8 KV cache, half the bytes to read): its
-tiles are converted to q's dtype in registers, right after the load.
+tiles are widened in registers right after the load, to the dtype the dots run in
+(`dot_dtype`: fp16 under bf16 queries, see there).
 
 Everything is capturable in CUDA graphs: no host synchronisation, and launch grids depend
 only on tensor shapes and on the `max_seq_len` argument (for decode); actual lengths are
@@ -42,6 +43,20 @@ import triton.language as tl
 from minivllm.kernels import dot_precision, split_count
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2 (exp2 is the native instruction)
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def dot_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> tl.dtype:
+    """The dtype of the kernels' tl.dot inputs (the query tile, the K/V tiles, the softmax
+    weights); accumulation is always fp32. q's own dtype, except that an FP8 cache under
+    bf16 queries runs in fp16: Hopper widens e4m3 to fp16 in one instruction per pair but
+    to bf16 only through fp16 (three), enough to make the conversion, not memory, the
+    decode kernel's limit. fp16 holds every e4m3 value exactly and has the finer mantissa;
+    queries must stay below its 65,504 range, which normed attention queries do by far."""
+    if cache_dtype == torch.float8_e4m3fn and q_dtype == torch.bfloat16:
+        return tl.float16
+    return _TL_DTYPES[q_dtype]
 
 
 # ----------------------------------------------------------------------------------------
@@ -84,7 +99,7 @@ def _attend_kv_tiles(
             k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_valid[:, None], other=0.0)
         else:
             k = tl.load(k_cache_ptr + kv_ptrs)
-        k = k.to(q.dtype)  # an FP8 cache's tile; a no-op otherwise
+        k = k.to(q.dtype)  # an FP8 cache's tile (q is in the dots' dtype); a no-op otherwise
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, N], base 2
         if CAUSAL:
@@ -151,6 +166,7 @@ def _mixed_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr,  # query tokens per program
     BLOCK_N: tl.constexpr,  # keys per inner step
+    DOT_DTYPE: tl.constexpr,  # see dot_dtype()
     DOT_PRECISION: tl.constexpr,
 ):
     # Tile rows are (query token, head of the GQA group) pairs: row r is token r // GQA_PAD,
@@ -184,7 +200,7 @@ def _mixed_attention_kernel(
     q_rows = (q_begin + q_idx).to(tl.int64)
     q = tl.load(
         q_ptr + q_rows[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_valid[:, None], other=0.0)
+        mask=row_valid[:, None], other=0.0).to(DOT_DTYPE)
 
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_head_off = kv_head * stride_ch
@@ -246,6 +262,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MODE: tl.constexpr,  # DECODE_PLAIN, DECODE_SHARED_PREFIX or DECODE_OWN_KEYS
+    DOT_DTYPE: tl.constexpr,  # see dot_dtype()
     DOT_PRECISION: tl.constexpr,
 ):
     # Three uses of one kernel (they differ only in which query rows and keys a program has):
@@ -293,6 +310,7 @@ def _decode_split_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     q_offs = seq.to(tl.int64) * stride_qn + head * stride_qh  # [BLOCK_M]
     q = tl.load(q_ptr + q_offs[:, None] + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+    q = q.to(DOT_DTYPE)
 
     kv_head_off = kv_head * stride_ch
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -465,6 +483,7 @@ def paged_attention_mixed(
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
         BLOCK_N=cfg["BLOCK_N"],
+        DOT_DTYPE=dot_dtype(q.dtype, k_cache.dtype),
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
@@ -611,6 +630,7 @@ def _launch_decode_split(
         BLOCK_SIZE=block_size,
         BLOCK_N=cfg["BLOCK_N"],
         MODE=mode,
+        DOT_DTYPE=dot_dtype(q.dtype, k_cache.dtype),
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
