@@ -25,7 +25,7 @@ from minivllm.kernels.fused_moe import fused_moe, fused_moe_config, moe_align
 
 E, H, I, TOP_K = 128, 2048, 768, 8
 DTYPE = torch.bfloat16
-BATCHES = (1, 16, 64, 256, 1024, 4096, 8192)
+BATCHES = (1, 16, 64, 128, 256, 512, 1024, 4096, 8192)
 ROUTINGS, WARMUP, REPEATS = 8, 5, 30
 
 # Sweep candidates: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages); each batch
