@@ -76,7 +76,7 @@ def test_padded_steps_compute_what_unpadded_steps_do(model_dir: str, few_seqs: i
     def replay(shape: tuple[int, int], kind: str) -> torch.Tensor:
         tokens, rows = shape
         meta = graph_metadata(runner.buffers, rows, tokens, 64, kind)
-        return runner.model(device["input_ids"][:tokens], device["positions"][:tokens], meta)
+        return runner.model(device.input_ids[:tokens], device.positions[:tokens], meta)
     graphs.replay = replay
     shapes = []
 

@@ -56,10 +56,10 @@ def graph_metadata(buffers: InputBuffers, num_seqs: int, num_tokens: int, max_se
     prefill graph every sequence goes through the mixed kernel."""
     dev = buffers.device
     return AttentionMetadata(
-        query_start_loc=dev["query_start_loc"][:num_seqs + 1], seq_lens=dev["seq_lens"][:num_seqs],
-        block_tables=dev["block_tables"][:num_seqs], slot_mapping=dev["slot_mapping"][:num_tokens],
+        query_start_loc=dev.query_start_loc[:num_seqs + 1], seq_lens=dev.seq_lens[:num_seqs],
+        block_tables=dev.block_tables[:num_seqs], slot_mapping=dev.slot_mapping[:num_tokens],
         max_query_len=1 if kind != "prefill" else num_tokens, max_seq_len=max_seq_len,
-        num_shared_prefix_blocks=dev["num_shared_prefix_blocks"] if kind == "cascade" else None)
+        num_shared_prefix_blocks=dev.num_shared_prefix_blocks if kind == "cascade" else None)
 
 
 class StepGraphs:
@@ -96,16 +96,18 @@ class StepGraphs:
     def capture(self) -> None:
         start = time.perf_counter()
         # Sane inputs for capture: every sequence empty, every token stored nowhere.
-        for name, value in (("input_ids", 0), ("positions", 0), ("seq_lens", 0), ("block_tables", 0),
-                            ("slot_mapping", -1), ("num_shared_prefix_blocks", 0), ("query_start_loc", 0)):
-            self.buffers.device[name].fill_(value)
+        dev = self.buffers.device
+        for tensor in (dev.input_ids, dev.positions, dev.seq_lens, dev.block_tables, dev.num_shared_prefix_blocks,
+                       dev.query_start_loc):
+            tensor.zero_()
+        dev.slot_mapping.fill_(-1)
         pool = None
         keys = ([((tokens, rows), "prefill") for tokens in self.prefill_sizes for rows in self.prefill_rows]
                 + [((size, size), kind) for kind in ("decode", "cascade") for size in self.decode_sizes])
         # Largest first, so that smaller graphs reuse its memory.
         for (tokens, rows), kind in sorted(keys, key=lambda key: (-key[0][0], -key[0][1])):
             meta = graph_metadata(self.buffers, rows, tokens, self.max_model_len, kind)
-            args = (self.buffers.device["input_ids"][:tokens], self.buffers.device["positions"][:tokens], meta)
+            args = (dev.input_ids[:tokens], dev.positions[:tokens], meta)
             self.model(*args)  # warm-up: compiles kernels, allocates workspaces outside capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):

@@ -6,59 +6,89 @@ on slices of them read each step's inputs. There are two host sets, used in turn
 host prepares step N+1 while step N's copies may still be queued behind step N-1.
 """
 
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
 import numpy as np
 import torch
 
-_FIELDS = {
-    "input_ids": torch.int64,
-    "positions": torch.int64,
-    "slot_mapping": torch.int64,
-    "query_start_loc": torch.int32,
-    "seq_lens": torch.int32,
-    "block_tables": torch.int32,
-    "logits_indices": torch.int64,
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+@dataclass
+class StepFields(Generic[T]):
+    """A step's inputs, one value per field: numpy views of the host buffers, tensors on
+    the device, or anything else kept per field (a shape, a row count)."""
+
+    input_ids: T
+    positions: T
+    slot_mapping: T  # cache slot of each new token's K/V (-1: stored nowhere)
+    query_start_loc: T
+    seq_lens: T
+    block_tables: T
+    logits_indices: T  # rows of the hidden states to sample from
     # Rows of input_ids whose token is still pending, and their rows in the last step's output.
-    "pending_dst": torch.int64,
-    "pending_src": torch.int64,
+    pending_dst: T
+    pending_src: T
     # Decode steps taking cascade attention: blocks every block table starts with.
-    "num_shared_prefix_blocks": torch.int32,
-}
+    num_shared_prefix_blocks: T
+
+    def items(self) -> Iterator[tuple[str, T]]:
+        return ((field.name, getattr(self, field.name)) for field in dataclasses.fields(self))
+
+    def map(self, fn: Callable[[T], U]) -> "StepFields[U]":
+        return StepFields(**{name: fn(value) for name, value in self.items()})
+
+
+def _field_specs(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> StepFields[tuple[tuple[int, ...], torch.dtype]]:
+    """Each field's (shape, dtype) at its largest."""
+    tokens, seqs = (max_tokens,), (max_seqs,)
+    return StepFields(
+        input_ids=(tokens, torch.int64), positions=(tokens, torch.int64), slot_mapping=(tokens, torch.int64),
+        query_start_loc=((max_seqs + 1,), torch.int32), seq_lens=(seqs, torch.int32),
+        block_tables=((max_seqs, max_blocks_per_seq), torch.int32), logits_indices=(seqs, torch.int64),
+        pending_dst=(seqs, torch.int64), pending_src=(seqs, torch.int64),
+        num_shared_prefix_blocks=((1,), torch.int32))
 
 
 class InputBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
         self.on_gpu = device.type == "cuda"
-        shapes = {"input_ids": (max_tokens,), "positions": (max_tokens,), "slot_mapping": (max_tokens,),
-                  "query_start_loc": (max_seqs + 1,), "seq_lens": (max_seqs,),
-                  "block_tables": (max_seqs, max_blocks_per_seq), "logits_indices": (max_seqs,),
-                  "pending_dst": (max_seqs,), "pending_src": (max_seqs,), "num_shared_prefix_blocks": (1,)}
+        specs = _field_specs(max_tokens, max_seqs, max_blocks_per_seq)
         num_sets = 2 if self.on_gpu else 1
-        self._host_sets = [{name: torch.zeros(shape, dtype=_FIELDS[name], pin_memory=self.on_gpu)
-                            for name, shape in shapes.items()} for _ in range(num_sets)]
+        self._host_sets = [specs.map(lambda spec: torch.zeros(spec[0], dtype=spec[1], pin_memory=self.on_gpu))
+                           for _ in range(num_sets)]
         self._copied: list[torch.cuda.Event | None] = [None] * num_sets
         self._current = 0
         # On CPU the host array is the model's input: nothing to copy.
-        self.device = {name: torch.zeros(shape, dtype=_FIELDS[name], device=device) if self.on_gpu
-                       else self._host_sets[0][name] for name, shape in shapes.items()}
+        self.device: StepFields[torch.Tensor] = (
+            specs.map(lambda spec: torch.zeros(spec[0], dtype=spec[1], device=device)) if self.on_gpu
+            else self._host_sets[0])
 
-    def next_host(self) -> dict[str, np.ndarray]:
+    def next_host(self) -> StepFields[np.ndarray]:
         """Switch to the other host set (once its last copies are done); numpy views of it."""
         self._current = (self._current + 1) % len(self._host_sets)
         copied = self._copied[self._current]
         if copied is not None:
             copied.synchronize()
-        return {name: tensor.numpy() for name, tensor in self._host_sets[self._current].items()}
+        return self._host_sets[self._current].map(torch.Tensor.numpy)
 
-    def upload(self, name: str, rows: int) -> torch.Tensor:
-        """Copy the first `rows` rows of a field to the device; returns that device slice."""
-        dst = self.device[name][:rows]
-        if self.on_gpu:
-            dst.copy_(self._host_sets[self._current][name][:rows], non_blocking=True)
-        return dst
-
-    def uploads_queued(self) -> None:
-        """Mark the current host set busy until the copies queued so far have run."""
+    def upload(self, used: StepFields[np.ndarray]) -> StepFields[torch.Tensor]:
+        """Copy each field's first len(used.<field>) rows (whole rows) of the current host set
+        to the device; returns those device slices. Then mark the host set busy until the
+        copies have run."""
+        host = self._host_sets[self._current]
+        slices = {}
+        for name, array in used.items():
+            dst = getattr(self.device, name)[:len(array)]
+            if self.on_gpu and len(array):
+                dst.copy_(getattr(host, name)[:len(array)], non_blocking=True)
+            slices[name] = dst
         if self.on_gpu:
             event = torch.cuda.Event()
             event.record()
             self._copied[self._current] = event
+        return StepFields(**slices)

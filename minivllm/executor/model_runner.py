@@ -216,34 +216,25 @@ class ModelRunner:
 
     def _upload(self, step: StepInputs) -> ModelInputs:
         """Queue the copies of the step's host rows to the device; the step's device inputs."""
-        upload = self.buffers.upload
-        rows = {name: len(array) for name, array in step.arrays.items()}
+        dev = self.buffers.upload(step.arrays)
         meta = AttentionMetadata(
-            query_start_loc=upload("query_start_loc", rows["query_start_loc"]),
-            seq_lens=upload("seq_lens", rows["seq_lens"]),
-            block_tables=upload("block_tables", rows["block_tables"]),
-            slot_mapping=upload("slot_mapping", rows["slot_mapping"]),
+            query_start_loc=dev.query_start_loc,
+            seq_lens=dev.seq_lens,
+            block_tables=dev.block_tables,
+            slot_mapping=dev.slot_mapping,
             max_query_len=step.max_query_len,
             max_seq_len=step.max_seq_len,
             query_start_loc_cpu=step.query_start_loc_cpu,
             seq_lens_cpu=step.seq_lens_cpu,
+            num_shared_prefix_blocks=dev.num_shared_prefix_blocks if step.cascade else None,
         )
-        if step.cascade:
-            meta.num_shared_prefix_blocks = upload("num_shared_prefix_blocks", 1)
-        inputs = ModelInputs(
-            input_ids=upload("input_ids", rows["input_ids"]),
-            positions=upload("positions", rows["positions"]),
-            meta=meta,
-            logits_indices=upload("logits_indices", rows["logits_indices"]),
-        )
-        num_pending = rows["pending_dst"]
-        if num_pending:
+        inputs = ModelInputs(input_ids=dev.input_ids, positions=dev.positions, meta=meta,
+                             logits_indices=dev.logits_indices)
+        if len(dev.pending_dst):
             # Only rank 0 samples, so only it has the pending tokens; other ranks take its input ids.
             if tp_rank() == 0:
-                dst, src = upload("pending_dst", num_pending), upload("pending_src", num_pending)
-                inputs.input_ids[dst] = self.last_sampled[src]
+                inputs.input_ids[dev.pending_dst] = self.last_sampled[dev.pending_src]
             broadcast_from_rank0(inputs.input_ids)
-        self.buffers.uploads_queued()
         return inputs
 
     @torch.inference_mode()
@@ -263,7 +254,7 @@ class ModelRunner:
         """On ranks 1..N-1: rank 0's prepared step, copied into this rank's host buffers, then run."""
         buf = self.buffers.next_host()
         for name, array in step.arrays.items():
-            rows = buf[name][:len(array)]
+            rows = getattr(buf, name)[:len(array)]
             if name == "block_tables":  # shipped only as wide as the longest table
                 rows[:, array.shape[1]:] = 0
                 rows = rows[:, :array.shape[1]]

@@ -10,6 +10,7 @@ import torch
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.executor.cuda_graphs import GraphKind, GraphShape
+from minivllm.executor.input_buffers import StepFields
 
 # Cascade attention pays off when many decoding sequences share a long prefix; below
 # either threshold the plain decode kernel runs. (Estimates, not swept: W3's 256 sequences
@@ -24,7 +25,7 @@ class StepInputs:
     views of the current host set) and the host-side metadata. This is what rank 0 ships
     to the other ranks; pickling copies just those rows."""
 
-    arrays: dict[str, np.ndarray]
+    arrays: StepFields[np.ndarray]
     max_query_len: int
     max_seq_len: int
     query_start_loc_cpu: list[int]
@@ -47,7 +48,7 @@ class ModelInputs:
     logits_indices: torch.Tensor  # rows of the hidden states to sample from
 
 
-def prepare_step_inputs(batch: ScheduledBatch, buf: dict[str, np.ndarray], block_size: int,
+def prepare_step_inputs(batch: ScheduledBatch, buf: StepFields[np.ndarray], block_size: int,
                         last_sampled_rows: dict[int, int], detect_cascade: bool,
                         graph: GraphShape | None = None) -> StepInputs:
     """Write the step into a host buffer set (host work only).
@@ -64,14 +65,14 @@ def prepare_step_inputs(batch: ScheduledBatch, buf: dict[str, np.ndarray], block
     num_new = np.array(batch.num_new_tokens, dtype=np.int64)
     computed = np.array(batch.num_computed_tokens, dtype=np.int64)
     seq_lens = computed + num_new
-    query_start_loc = buf["query_start_loc"]
+    query_start_loc = buf.query_start_loc
     query_start_loc[0] = 0
     np.cumsum(num_new, out=query_start_loc[1:num_seqs + 1])
     num_tokens = int(query_start_loc[num_seqs])
     # Position of every new token: its sequence's computed count plus its offset in the chunk.
     row_of_token = np.repeat(np.arange(num_seqs), num_new)
     positions = computed[row_of_token] + np.arange(num_tokens) - query_start_loc[row_of_token]
-    buf["positions"][:num_tokens] = positions
+    buf.positions[:num_tokens] = positions
     token_ids: list[int] = []
     pending_dst, pending_src = [], []
     for seq, start, end in zip(batch.seqs, computed.tolist(), seq_lens.tolist()):
@@ -81,46 +82,46 @@ def prepare_step_inputs(batch: ScheduledBatch, buf: dict[str, np.ndarray], block
             pending_dst.append(len(token_ids))
             pending_src.append(last_sampled_rows[seq.seq_id])
             token_ids.append(0)
-    buf["input_ids"][:num_tokens] = token_ids
+    buf.input_ids[:num_tokens] = token_ids
     num_pending = len(pending_dst)
-    buf["pending_dst"][:num_pending] = pending_dst
-    buf["pending_src"][:num_pending] = pending_src
+    buf.pending_dst[:num_pending] = pending_dst
+    buf.pending_src[:num_pending] = pending_src
     # Block tables: one flat copy, scattered into the rows through a mask.
     tables = [seq.block_table for seq in batch.seqs]
     table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
-    block_tables = buf["block_tables"]
+    block_tables = buf.block_tables
     block_tables[:num_seqs] = 0  # no stale block ids from an earlier step
     width = int(table_lens.max())
     block_tables[:num_seqs, :width][np.arange(width) < table_lens[:, None]] = np.fromiter(
         itertools.chain.from_iterable(tables), dtype=np.int32, count=int(table_lens.sum()))
-    buf["slot_mapping"][:num_tokens] = (
+    buf.slot_mapping[:num_tokens] = (
         block_tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs)
-    buf["seq_lens"][:num_seqs] = seq_lens
+    buf.seq_lens[:num_seqs] = seq_lens
     sampled = np.array(batch.samples, dtype=bool)
     logits_indices = query_start_loc[1:num_seqs + 1][sampled] - 1
-    buf["logits_indices"][:len(logits_indices)] = logits_indices
+    buf.logits_indices[:len(logits_indices)] = logits_indices
     shared_blocks = 0
     if detect_cascade and int(num_new.max()) == 1:
         shared_blocks = shared_prefix_blocks(block_tables[:num_seqs], seq_lens, bs)
-        buf["num_shared_prefix_blocks"][0] = shared_blocks
+        buf.num_shared_prefix_blocks[0] = shared_blocks
     rows, tokens = num_seqs, num_tokens
     if graph is not None:
         tokens, rows = graph
         pad_tokens, pad_rows = slice(num_tokens, tokens), slice(num_seqs, rows)
-        buf["input_ids"][pad_tokens] = buf["positions"][pad_tokens] = 0
-        buf["slot_mapping"][pad_tokens] = -1
-        buf["seq_lens"][pad_rows] = buf["block_tables"][pad_rows, :width] = 0  # kernels skip empty rows
+        buf.input_ids[pad_tokens] = buf.positions[pad_tokens] = 0
+        buf.slot_mapping[pad_tokens] = -1
+        buf.seq_lens[pad_rows] = buf.block_tables[pad_rows, :width] = 0  # kernels skip empty rows
         # Empty sequences, one token each in a decode graph (the decode kernel's layout).
         query_start_loc[num_seqs + 1:rows + 1] = (np.arange(num_tokens + 1, rows + 1)
                                                   if num_tokens == num_seqs else num_tokens)
-    used_rows = {"query_start_loc": rows + 1, "seq_lens": rows, "block_tables": rows, "slot_mapping": tokens,
-                 "input_ids": tokens, "positions": tokens, "logits_indices": len(logits_indices),
-                 "pending_dst": num_pending, "pending_src": num_pending,
-                 "num_shared_prefix_blocks": 1 if shared_blocks else 0}
-    arrays = {name: buf[name][:n] for name, n in used_rows.items()}
     # Rank 0 uploads whole block-table rows; the other ranks get only the columns in use
     # (the rest are zeros), which keeps long-context messages small.
-    arrays["block_tables"] = block_tables[:rows, :width]
+    arrays = StepFields(
+        input_ids=buf.input_ids[:tokens], positions=buf.positions[:tokens], slot_mapping=buf.slot_mapping[:tokens],
+        query_start_loc=query_start_loc[:rows + 1], seq_lens=buf.seq_lens[:rows],
+        block_tables=block_tables[:rows, :width], logits_indices=buf.logits_indices[:len(logits_indices)],
+        pending_dst=buf.pending_dst[:num_pending], pending_src=buf.pending_src[:num_pending],
+        num_shared_prefix_blocks=buf.num_shared_prefix_blocks[:1 if shared_blocks else 0])
     return StepInputs(
         arrays=arrays,
         max_query_len=int(num_new.max()),
