@@ -34,6 +34,8 @@ class Sequence:
         self.num_computed_tokens = 0
         # Prompt tokens found in the prefix cache at first admission (for metrics/tests).
         self.num_cached_tokens = 0
+        # KV blocks holding this sequence's tokens, in order. A list only grows (append); any
+        # other change assigns a new list (the runner's BlockTableRows relies on that).
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of this sequence's full blocks
         self.finish_reason: str | None = None

@@ -54,6 +54,49 @@ def _field_specs(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> Ste
         num_shared_prefix_blocks=((1,), torch.int32))
 
 
+class BlockTableRows:
+    """One host set's block_tables rows, written row by row only where the row's sequence
+    or its table changed since this set last held it: a sequence's block-table list only
+    grows while it is the same list (Sequence.block_table), so a row that holds the same
+    list needs just its new entries. At long contexts a full copy of every row is hundreds
+    of block ids per sequence each step. Entries past a row's table are kept zero."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows = rows
+        self._tables: list[list[int] | None] = [None] * len(rows)  # the list each row was written from
+        self._lens = [0] * len(rows)  # entries written to each row (the rest of the row is 0)
+
+    def write(self, tables: list[list[int]]) -> None:
+        """Rows 0..len(tables)-1 := tables."""
+        rows, held, lens = self.rows, self._tables, self._lens
+        for i, table in enumerate(tables):
+            n, written = len(table), lens[i]
+            if held[i] is table:
+                if n > written:
+                    rows[i, written:n] = table[written:]
+            else:
+                rows[i, :n] = table
+                if written > n:
+                    rows[i, n:written] = 0
+                held[i] = table
+            lens[i] = n
+
+    def clear(self, start: int, stop: int) -> None:
+        """Rows start..stop-1 := zeros (padding rows: empty sequences)."""
+        for i in range(start, stop):
+            if self._lens[i]:
+                self.rows[i, :self._lens[i]] = 0
+            self._tables[i], self._lens[i] = None, 0
+
+
+@dataclass
+class HostSet:
+    """One set of host buffers as the step's preparation writes it."""
+
+    arrays: StepFields[np.ndarray]  # numpy views of the pinned tensors
+    block_tables: BlockTableRows  # writes arrays.block_tables
+
+
 class InputBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
         self.on_gpu = device.type == "cuda"
@@ -61,6 +104,8 @@ class InputBuffers:
         num_sets = 2 if self.on_gpu else 1
         self._host_sets = [specs.map(lambda spec: torch.zeros(spec[0], dtype=spec[1], pin_memory=self.on_gpu))
                            for _ in range(num_sets)]
+        self._host_views = [HostSet(arrays, BlockTableRows(arrays.block_tables))
+                            for arrays in (host.map(torch.Tensor.numpy) for host in self._host_sets)]
         self._copied: list[torch.cuda.Event | None] = [None] * num_sets
         self._current = 0
         # On CPU the host array is the model's input: nothing to copy.
@@ -68,13 +113,13 @@ class InputBuffers:
             specs.map(lambda spec: torch.zeros(spec[0], dtype=spec[1], device=device)) if self.on_gpu
             else self._host_sets[0])
 
-    def next_host(self) -> StepFields[np.ndarray]:
-        """Switch to the other host set (once its last copies are done); numpy views of it."""
+    def next_host(self) -> HostSet:
+        """Switch to the other host set (once its last copies are done)."""
         self._current = (self._current + 1) % len(self._host_sets)
         copied = self._copied[self._current]
         if copied is not None:
             copied.synchronize()
-        return self._host_sets[self._current].map(torch.Tensor.numpy)
+        return self._host_views[self._current]
 
     def upload(self, used: StepFields[np.ndarray]) -> StepFields[torch.Tensor]:
         """Copy each field's first len(used.<field>) rows (whole rows) of the current host set

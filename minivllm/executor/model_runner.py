@@ -252,7 +252,8 @@ class ModelRunner:
 
     def execute_shipped(self, step: StepInputs) -> None:
         """On ranks 1..N-1: rank 0's prepared step, copied into this rank's host buffers, then run."""
-        buf = self.buffers.next_host()
+        # (Written directly, not through the set's BlockTableRows: only rank 0 prepares steps.)
+        buf = self.buffers.next_host().arrays
         for name, array in step.arrays.items():
             rows = getattr(buf, name)[:len(array)]
             if name == "block_tables":  # shipped only as wide as the longest table

@@ -1,7 +1,6 @@
 """A step's inputs: from a ScheduledBatch (decodes first: its docstring) to the rows of
 the persistent input buffers, and the metadata the model and kernels take."""
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,7 +9,7 @@ import torch
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.executor.cuda_graphs import GraphKind, GraphShape
-from minivllm.executor.input_buffers import StepFields
+from minivllm.executor.input_buffers import HostSet, StepFields
 
 # Cascade attention pays off when many decoding sequences share a long prefix; below
 # either threshold the plain decode kernel runs. (Estimates, not swept: W3's 256 sequences
@@ -48,7 +47,7 @@ class ModelInputs:
     logits_indices: torch.Tensor  # rows of the hidden states to sample from
 
 
-def prepare_step_inputs(batch: ScheduledBatch, buf: StepFields[np.ndarray], block_size: int,
+def prepare_step_inputs(batch: ScheduledBatch, host: HostSet, block_size: int,
                         last_sampled_rows: dict[int, int], detect_cascade: bool,
                         graph: GraphShape | None = None) -> StepInputs:
     """Write the step into a host buffer set (host work only).
@@ -61,6 +60,7 @@ def prepare_step_inputs(batch: ScheduledBatch, buf: StepFields[np.ndarray], bloc
     past the batch are filled with harmless padding: tokens stored nowhere, sequences empty.
     """
     bs = block_size
+    buf = host.arrays
     num_seqs = len(batch)
     num_new = np.array(batch.num_new_tokens, dtype=np.int64)
     computed = np.array(batch.num_computed_tokens, dtype=np.int64)
@@ -86,14 +86,10 @@ def prepare_step_inputs(batch: ScheduledBatch, buf: StepFields[np.ndarray], bloc
     num_pending = len(pending_dst)
     buf.pending_dst[:num_pending] = pending_dst
     buf.pending_src[:num_pending] = pending_src
-    # Block tables: one flat copy, scattered into the rows through a mask.
     tables = [seq.block_table for seq in batch.seqs]
-    table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
+    host.block_tables.write(tables)  # only what changed since this host set last held them
     block_tables = buf.block_tables
-    block_tables[:num_seqs] = 0  # no stale block ids from an earlier step
-    width = int(table_lens.max())
-    block_tables[:num_seqs, :width][np.arange(width) < table_lens[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(tables), dtype=np.int32, count=int(table_lens.sum()))
+    width = max(map(len, tables))
     buf.slot_mapping[:num_tokens] = (
         block_tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs)
     buf.seq_lens[:num_seqs] = seq_lens
@@ -110,7 +106,8 @@ def prepare_step_inputs(batch: ScheduledBatch, buf: StepFields[np.ndarray], bloc
         pad_tokens, pad_rows = slice(num_tokens, tokens), slice(num_seqs, rows)
         buf.input_ids[pad_tokens] = buf.positions[pad_tokens] = 0
         buf.slot_mapping[pad_tokens] = -1
-        buf.seq_lens[pad_rows] = buf.block_tables[pad_rows, :width] = 0  # kernels skip empty rows
+        buf.seq_lens[pad_rows] = 0  # kernels skip empty rows
+        host.block_tables.clear(num_seqs, rows)
         # Empty sequences, one token each in a decode graph (the decode kernel's layout).
         query_start_loc[num_seqs + 1:rows + 1] = (np.arange(num_tokens + 1, rows + 1)
                                                   if num_tokens == num_seqs else num_tokens)
