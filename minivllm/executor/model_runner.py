@@ -102,6 +102,8 @@ class ModelRunner:
         self._sampled_host = [torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
                               for _ in range(2)]
         self._token_buffer = 0
+        # The last step's sampled sequences and their metadata, while it can be reused.
+        self._sampling_cache: tuple[list[Sequence], SamplingMetadata] | None = None
         self.graphs: StepGraphs | None = None
         if self.device.type == "cuda":
             self._compile_and_capture()
@@ -274,8 +276,7 @@ class ModelRunner:
         sampled_seqs = [seq for seq, samples in zip(batch.seqs, batch.samples) if samples]
         if not sampled_seqs:
             return StepHandle([], [], None)
-        rows = [_sampling_row(seq) for seq in sampled_seqs]
-        out = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
+        out = self.sampler(logits, self._sampling_metadata(sampled_seqs))
         # The next step reads these on the device, for sequences whose token is still pending.
         self.last_sampled = out.sampled_token_ids
         self.last_sampled_rows = {seq.seq_id: row for row, seq in enumerate(sampled_seqs)}
@@ -304,6 +305,18 @@ class ModelRunner:
             ids, values, ranks = (tensor.tolist() for tensor in handle.host[1:])
             logprobs = self._logprob_dicts(handle.sampled_seqs, ids, values, ranks)
         return handle.sampled_seqs, token_ids, logprobs
+
+    def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
+        """The sampling parameters of these rows, on the device. A step that samples the same
+        sequences as the last one, in the same order (a steady decode batch), reuses its
+        metadata: a sequence's parameters never change, and what depends on its outputs
+        (penalties, min_tokens still blocking) makes the metadata one step's only."""
+        if self._sampling_cache is not None and self._sampling_cache[0] == seqs:
+            return self._sampling_cache[1]
+        meta = SamplingMetadata.build([_sampling_row(seq) for seq in seqs], self.vocab_size, self.device)
+        reusable = meta.output_token_ids is None and meta.min_tokens_rows is None
+        self._sampling_cache = (seqs, meta) if reusable else None
+        return meta
 
     @staticmethod
     def _logprob_dicts(seqs: list[Sequence], ids: list[list[int]], values: list[list[float]],
