@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm.engine.kv_cache_manager import KVCacheManager
+from minivllm.engine.kv_cache_manager import KVCacheManager, chain_block_hashes
 from minivllm.engine.sequence import Sequence
 from minivllm.sampling_params import SamplingParams
 
@@ -51,7 +51,7 @@ def test_random_workload_keeps_invariants(ops: list[tuple[str, list[int], int]],
             if admit(kv, seq):
                 # What the cache handed out must be exactly this sequence's tokens.
                 for i, block_id in enumerate(seq.block_table[:seq.num_computed_tokens // BLOCK_SIZE]):
-                    assert kv.block_token_ids[block_id] == tuple(seq.token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
+                    assert kv.block_token_ids[block_id] == seq.token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]
                 seq.num_computed_tokens = seq.num_tokens
                 live.append(seq)
         elif op == "grow" and live:
@@ -136,3 +136,16 @@ def test_shared_prefix_detection() -> None:
     assert shared_prefix_blocks(tables, seq_lens, bs) == 19
     # Too few sequences: not worth it.
     assert shared_prefix_blocks(tables[:step_inputs.CASCADE_MIN_SEQS - 1], seq_lens[:7], bs) == 0
+
+
+def test_block_hashes_chain_the_same_in_pieces_or_at_once() -> None:
+    """A sequence's hashes are extended as it grows: hashing its blocks a few at a time must
+    give the chain that hashing them all at once gives (another sequence's prefix lookup
+    compares against either), and a block's hash must depend on every block before it."""
+    tokens = list(range(1000, 1000 + 6 * BLOCK_SIZE))
+    at_once = chain_block_hashes(b"", tokens, BLOCK_SIZE)
+    first = chain_block_hashes(b"", tokens[:2 * BLOCK_SIZE], BLOCK_SIZE)
+    rest = chain_block_hashes(first[-1], tokens[2 * BLOCK_SIZE:], BLOCK_SIZE)
+    assert first + rest == at_once and len(set(at_once)) == 6
+    changed = chain_block_hashes(b"", [7] + tokens[1:], BLOCK_SIZE)
+    assert all(a != b for a, b in zip(changed, at_once))
