@@ -18,7 +18,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -363,3 +366,51 @@ def report(workload: str, backend: str, args: argparse.Namespace, metrics: dict[
                 **environment(), **metrics}
         with open(args.json_out, "a") as f:
             f.write(json.dumps(line) + "\n")
+
+
+def step_kind(num_seqs: int, num_tokens: int) -> str:
+    if num_tokens > num_seqs:
+        return "prefill/mixed"
+    bound = next((b for b in (8, 32, 128) if num_seqs < b), None)
+    return f"decode <{bound}" if bound else "decode >=128"
+
+
+def record_step_kinds(llm: Any) -> Callable[[], dict[str, dict[str, float]]]:
+    """Wrap the runner's launch to time each interval between launches by the kind of the
+    step launched at its start, and (on CUDA) the device time of each step's queued work,
+    between events recorded around its launch: where an interval exceeds its step's
+    device time, the device waited for the host (an eager step's device time includes
+    its waits for the host's launches). The returned function gives the totals and puts
+    the runner's own launch back."""
+    runner = llm.llm_engine.model_runner
+    launch = runner.launch
+    launches: list[tuple[float, str, Any, Any]] = []
+
+    def timed_launch(batch: Any) -> Any:
+        start = time.perf_counter()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if torch.cuda.is_available() else None
+        if events:
+            events[0].record()
+        handle = launch(batch)
+        if events:
+            events[1].record()
+        launches.append((start, step_kind(len(batch), sum(batch.num_new_tokens)),
+                         *(events or (None, None))))
+        return handle
+    runner.launch = timed_launch
+
+    def totals() -> dict[str, dict[str, float]]:
+        del runner.launch  # the instance attribute set above: the class's method again
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        sums: dict[str, dict[str, float]] = defaultdict(lambda: {"steps": 0, "seconds": 0.0, "gpu_seconds": 0.0})
+        for (start, kind, begin, end), (next_start, *_) in pairwise(launches):
+            sums[kind]["steps"] += 1
+            sums[kind]["seconds"] += next_start - start
+            if begin is not None:
+                sums[kind]["gpu_seconds"] += begin.elapsed_time(end) / 1e3
+        return {kind: {"steps": v["steps"], "seconds": round(v["seconds"], 3),
+                       "ms_per_step": round(1e3 * v["seconds"] / v["steps"], 3),
+                       "gpu_ms_per_step": round(1e3 * v["gpu_seconds"] / v["steps"], 3)}
+                for kind, v in sorted(sums.items())}
+    return totals

@@ -9,7 +9,8 @@ prefix and suffixes (so none finds an earlier run's prefix cached), and reports 
 run, with every run's tok/s beside it. Reports output tok/s both ways, their ratio, and the
 hit rate over the timed run from llm.llm_engine.stats() (prompt tokens found cached /
 prompt tokens looked up), next to the ideal: every request but the first finds the
-prefix's full blocks.
+prefix's full blocks. --step-breakdown: the first run's steps by kind, each kind's interval
+between launches and device time per step (benchmarks.common.record_step_kinds).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from benchmarks.common import (
     free_memory,
     make_llm,
     random_prompt,
+    record_step_kinds,
     report,
     resolve_model,
     scaled,
@@ -69,7 +71,10 @@ def run_engine(args: argparse.Namespace, spec: ModelSpec, caching: bool) -> dict
     runs = []
     for seed in range(args.repeats):
         before = engine_stats(llm)
+        breakdown = record_step_kinds(llm) if args.step_breakdown and seed == 0 else None
         metrics = timed_generate(llm, w3_requests(args.scale, spec.vocab_size, seed), W1_TEMPERATURE)
+        if breakdown is not None:
+            metrics["step_breakdown_run0"] = breakdown()
         counters = stats_delta(before, engine_stats(llm), PREFIX_COUNTERS + ("num_preemptions",))
         metrics |= counters
         if all(k in counters for k in PREFIX_COUNTERS):
@@ -81,7 +86,9 @@ def run_engine(args: argparse.Namespace, spec: ModelSpec, caching: bool) -> dict
     free_memory()
     tok_s = [run["output_tok_s"] for run in runs]
     median_run = sorted(runs, key=lambda run: run["output_tok_s"])[(len(runs) - 1) // 2]
-    return median_run | started | {"output_tok_s": statistics.median(tok_s), "output_tok_s_runs": tok_s}
+    breakdown = {"step_breakdown_run0": runs[0]["step_breakdown_run0"]} if args.step_breakdown else {}
+    return (median_run | started | breakdown
+            | {"output_tok_s": statistics.median(tok_s), "output_tok_s_runs": tok_s})
 
 
 def main() -> None:
@@ -89,6 +96,8 @@ def main() -> None:
     add_common_args(parser)
     parser.add_argument("--caching", default="both", choices=["both", "on", "off"])
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per engine (the median is reported)")
+    parser.add_argument("--step-breakdown", action="store_true",
+                        help="time the first run's steps by kind, as benchmarks.throughput does")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")

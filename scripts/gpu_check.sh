@@ -13,7 +13,7 @@
 #   moe    fused_moe.py at Qwen3-30B-A3B's expert shapes, with the tile sweep (~1.5 min)
 #   fp8    decode attention on W1's batches over an FP8 cache, split and tile sweep (~3 min)
 #   w2     W2 latency, qwen3-0.6b                                      (< 1 min)
-#   w3     W3 shared prefix, caching on and off, qwen3-0.6b            (~1-2 min, two engines)
+#   w3     W3 shared prefix, caching on and off, qwen3-0.6b, first run by kind of step (~1-2 min, two engines)
 #   hf     W1 on transformers continuous batching, qwen3-0.6b, with --num-prompts 128:
 #          the full 256 requests are 133,966 tokens, ~3.6 min at the ~620 tok/s BENCH.md
 #          measured; the first 128 drawn the same way are 66,720 tokens, ~1.8 min.
@@ -96,7 +96,7 @@ for step in ${GPU_CHECK//,/ }; do
         w1)    bench w1 throughput.py --model qwen3-0.6b --step-breakdown ;;
         w1_fp8) bench w1_fp8 throughput.py --model qwen3-0.6b --kv-cache-dtype fp8 ;;
         w2)    bench w2 latency.py --model qwen3-0.6b ;;
-        w3)    bench w3 prefix_cache.py --model qwen3-0.6b ;;
+        w3)    bench w3 prefix_cache.py --model qwen3-0.6b --step-breakdown ;;
         w5)    bench w5 throughput.py --model qwen3-30b-a3b --step-breakdown ;;
         moe)   run_step moe_kernels python3 -m benchmarks.kernels.fused_moe --sweep ;;
         fp8)   run_step decode_w1_fp8 python3 -m benchmarks.kernels.decode_w1 --every 64 --sweep --kv-cache-dtype fp8 ;;
