@@ -43,8 +43,10 @@ class StepFields(Generic[T]):
         return StepFields(**{name: fn(value) for name, value in self.items()})
 
 
-def _field_specs(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> StepFields[tuple[tuple[int, ...], torch.dtype]]:
-    """Each field's (shape, dtype) at its largest."""
+FieldSpec = tuple[tuple[int, ...], torch.dtype]  # a field's (shape, dtype) at its largest
+
+
+def _field_specs(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> StepFields[FieldSpec]:
     tokens, seqs = (max_tokens,), (max_seqs,)
     return StepFields(
         input_ids=(tokens, torch.int64), positions=(tokens, torch.int64), slot_mapping=(tokens, torch.int64),
