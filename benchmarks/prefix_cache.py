@@ -69,12 +69,13 @@ def run_engine(args: argparse.Namespace, spec: ModelSpec, caching: bool) -> dict
     warmup_llm(llm, spec.vocab_size, prefix_hit=True)
     started = startup_metrics(llm, startup)
     runs = []
+    step_breakdown = {}
     for seed in range(args.repeats):
         before = engine_stats(llm)
         breakdown = record_step_kinds(llm) if args.step_breakdown and seed == 0 else None
         metrics = timed_generate(llm, w3_requests(args.scale, spec.vocab_size, seed), W1_TEMPERATURE)
         if breakdown is not None:
-            metrics["step_breakdown_run0"] = breakdown()
+            step_breakdown = {"step_breakdown_run0": breakdown()}
         counters = stats_delta(before, engine_stats(llm), PREFIX_COUNTERS + ("num_preemptions",))
         metrics |= counters
         if all(k in counters for k in PREFIX_COUNTERS):
@@ -86,8 +87,7 @@ def run_engine(args: argparse.Namespace, spec: ModelSpec, caching: bool) -> dict
     free_memory()
     tok_s = [run["output_tok_s"] for run in runs]
     median_run = sorted(runs, key=lambda run: run["output_tok_s"])[(len(runs) - 1) // 2]
-    breakdown = {"step_breakdown_run0": runs[0]["step_breakdown_run0"]} if args.step_breakdown else {}
-    return (median_run | started | breakdown
+    return (median_run | started | step_breakdown
             | {"output_tok_s": statistics.median(tok_s), "output_tok_s_runs": tok_s})
 
 
