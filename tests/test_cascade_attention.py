@@ -94,6 +94,8 @@ CASES = {  # name: (suffix_lens, num_prefix_blocks, prefix_splits, suffix_splits
     # Several blocks, ragged suffixes (1, within one page, across pages), split both ways
     # (more prefix splits than tiles: some splits are empty).
     "ragged_split": ([1, 17, 40, 3, 70], 5, 3, 2),
+    # The same with one suffix split: the suffix launch merges the prefix parts itself.
+    "ragged_suffix_merges": ([1, 17, 40, 3, 70], 5, 3, 1),
 }
 
 
@@ -122,6 +124,18 @@ def test_cascade_equals_plain_decode(dtype):
     cascade = batch.cascade(prefix_splits=2, suffix_splits=1)
     atol = 1e-5 if dtype == torch.float32 else 2e-3  # fp16: one output rounding apart
     torch.testing.assert_close(cascade.float(), plain.float(), atol=atol, rtol=1e-3)
+
+
+@pytest.mark.parametrize("suffix_splits,reduce_launches", [(1, 0), (2, 1)])
+def test_reduce_launch_only_for_a_split_suffix(monkeypatch, suffix_splits, reduce_launches):
+    """With one split per own-keys context the suffix launch merges the prefix's parts (no
+    reduce launch); with more, the reduce merges them."""
+    batch = CascadeBatch([1, 17, 40], 3, 16, 4, 2, 64, torch.float32, seed=9)
+    launches = []
+    real = pa._launch_decode_reduce
+    monkeypatch.setattr(pa, "_launch_decode_reduce", lambda *a: launches.append(a) or real(*a))
+    batch.check(batch.cascade(prefix_splits=2, suffix_splits=suffix_splits))
+    assert len(launches) == reduce_launches
 
 
 def test_empty_prefix_is_plain_decode():

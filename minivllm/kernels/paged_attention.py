@@ -21,7 +21,8 @@ points launch them:
   begin with the same blocks (prefix caching): the same split kernel, launched once over
   the shared prefix with tiles of BLOCK_M rows drawn from every sequence (each prefix K/V
   tile is read once per row tile, not once per sequence), once over each sequence's own
-  keys, then the same reduce merges both launches' partial results.
+  keys; that launch merges its result with the prefix's partial results (or, when it
+  splits the own keys too, the same reduce merges both launches' partial results).
 
 Layout (see minivllm/attention/metadata.py): k_cache, v_cache are
 [num_blocks, block_size, num_kv_heads, head_dim]; token t of sequence b lives in block
@@ -330,19 +331,54 @@ def _decode_split_kernel(
         BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, False, DOT_PRECISION)
 
     # l_i == 0 only for an empty split (or seq_len 0, i.e. a padded row): write zeros
-    # and lse = -inf so the reduce gives it no weight.
+    # and lse = -inf so the merge gives it no weight.
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    o_ptrs = out_ptr + (seq.to(tl.int64) * stride_on + head * stride_oh)[:, None] + offs_d[None, :]
     if num_parts == 1:
-        o_offs = seq.to(tl.int64) * stride_on + head * stride_oh
-        tl.store(out_ptr + o_offs[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=row_valid[:, None])
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
     else:
-        part = (seq * num_q_heads + head) * num_parts + part_offset + split  # [BLOCK_M] rows
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out,
-                 mask=row_valid[:, None])
+        first_part = (seq * num_q_heads + head) * num_parts  # [BLOCK_M]: each row's part 0
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        tl.store(part_lse_ptr + part, lse, mask=row_valid)
+        # A cascade's suffix launch with one split per context runs after the prefix launch
+        # has written every prefix part (stream order): it merges them itself, which saves
+        # the reduce launch. Otherwise this part goes to the workspace for the reduce.
+        merge_here = False
+        if MODE == 2:  # DECODE_OWN_KEYS
+            merge_here = num_splits == 1
+        if merge_here:
+            out = _merge_parts(out, lse, part_out_ptr, part_lse_ptr, first_part, part_offset,
+                               row_valid, HEAD_DIM)
+            tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+        else:
+            part = first_part + part_offset + split
+            tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out,
+                     mask=row_valid[:, None])
+            tl.store(part_lse_ptr + part, lse, mask=row_valid)
+
+
+@triton.jit
+def _merge_parts(out, lse, part_out_ptr, part_lse_ptr, first_part, num_stored, row_valid,
+                 HEAD_DIM: tl.constexpr):
+    """out [M, D] (normalised) with log2-sum-exp2 lse [M], merged with each row's stored
+    parts first_part .. first_part + num_stored - 1: the softmax over all their keys,
+    normalised. An online merge: the running maximum m stays finite (-1e30 at worst), so a
+    part with lse = -inf (no keys) gets weight exp2(-inf) = 0, never NaN."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    m = tl.maximum(lse, -1.0e30)
+    den = tl.exp2(lse - m)
+    acc = out * den[:, None]
+    for p in range(0, num_stored):
+        part_lse = tl.load(part_lse_ptr + first_part + p, mask=row_valid, other=float("-inf"))
+        part_out = tl.load(part_out_ptr + (first_part + p)[:, None] * HEAD_DIM + offs_d[None, :],
+                           mask=row_valid[:, None], other=0.0)
+        m_new = tl.maximum(m, part_lse)
+        alpha = tl.exp2(m - m_new)
+        weight = tl.exp2(part_lse - m_new)
+        acc = acc * alpha[:, None] + part_out * weight[:, None]
+        den = den * alpha + weight
+        m = m_new
+    return acc / tl.where(den == 0.0, 1.0, den)[:, None]
 
 
 @triton.jit(do_not_specialize=["num_parts"])
@@ -708,8 +744,10 @@ def paged_attention_decode_shared_prefix(
     tiles of BLOCK_M rows, so each prefix K/V tile is read once per row tile instead of
     once per sequence; prefix_splits programs along the prefix; (2) each sequence's own
     keys [P * block_size, seq_len) through the split-KV kernel, suffix_splits programs
-    each; (3) the reduce kernel merges all prefix_splits + suffix_splits partial results
-    of a (sequence, head) by their log-sum-exps into out (q's dtype).
+    each; (3) all prefix_splits + suffix_splits partial results of a (sequence, head) are
+    merged by their log-sum-exps into out (q's dtype): by the suffix launch itself when
+    suffix_splits is 1 (the common case: short own keys, many sequences), else by the
+    reduce kernel.
 
     part_out / part_lse: fp32 workspace of at least B * Hq * (prefix_splits + suffix_splits)
     * D and B * Hq * (prefix_splits + suffix_splits) elements (allocated if None).
@@ -739,5 +777,6 @@ def paged_attention_decode_shared_prefix(
     _launch_decode_split(q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables,
                          DECODE_OWN_KEYS, num_prefix_blocks, scale, suffix_splits, prefix_splits, num_parts,
                          suffix_config)
-    _launch_decode_reduce(part_out, part_lse, out, num_parts)
+    if suffix_splits > 1:  # with one split, the suffix launch has merged (see the kernel)
+        _launch_decode_reduce(part_out, part_lse, out, num_parts)
     return out

@@ -23,7 +23,9 @@ which float32 resolves finely near 0 (steps of 2**-32), and not from 1 - w (step
 series w + w^2/2 + w^3/3 + w^4/4 (the rest is below 2**-26 relatively), above by the log.
 w is clamped below 1, so E is at most -log(2**-24) = 16.6 and G lies in [-2.82, 22.9].
 The torch twin of this formula, for CPU tensors, is `gumbel_noise` in
-minivllm/layers/sampler.py; tests check one against the other.
+minivllm/layers/sampler.py; tests check one against the other. Compiled, the kernel takes
+both logs from the GPU's approximate log2 (`_log`), so it agrees with the twin to ~2**-22
+relatively rather than to the last bit.
 
 Ties (equal scores) go to the smallest token index, whatever the launch configuration.
 Nothing synchronises with the host.
@@ -32,6 +34,7 @@ Nothing synchronises with the host.
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from minivllm.kernels import sm_count, split_count
 
@@ -43,14 +46,25 @@ _REDUCE_BLOCK = 128  # splits per iteration of the second pass
 
 
 @triton.jit
-def _gumbel_noise(bits):
+def _log(x, HW_LOG2: tl.constexpr):
+    """Natural log. HW_LOG2: through the GPU's approximate log2 instruction (lg2.approx,
+    relative error ~2**-22), one instruction where tl.log is a ~30-instruction libdevice
+    routine; two logs per token made those routines most of the kernel's work. The
+    interpreter has no such instruction (and needs none): tl.log."""
+    if HW_LOG2:
+        return 0.6931471805599453 * libdevice.fast_log2f(x)
+    return tl.log(x)
+
+
+@triton.jit
+def _gumbel_noise(bits, HW_LOG2: tl.constexpr):
     """Gumbel(0, 1) noise from uniform uint32 words, as the module docstring derives it."""
     tl.static_assert(bits.dtype == tl.uint32)  # a signed word would make w negative
     w = (bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10  # 2**-32; never 0
     w = tl.minimum(w, 0.99999994)  # 1 - 2**-24: r near 2**32 rounds w to 1.0
     series = w + w * w * (0.5 + w * (0.3333333333333333 + w * 0.25))
-    e = tl.where(w < 0.015625, series, -tl.log(1.0 - w))  # -log(1 - w), accurate near w = 0
-    return -tl.log(e)
+    e = tl.where(w < 0.015625, series, -_log(1.0 - w, HW_LOG2))  # -log(1 - w), accurate near w = 0
+    return -_log(e, HW_LOG2)
 
 
 # num_splits follows the batch size: one compilation for all of them (split_len is a
@@ -64,6 +78,7 @@ def _gumbel_max_split_kernel(
     vocab_size, split_len, num_splits,
     HAS_TEMPERATURE: tl.constexpr,
     BLOCK: tl.constexpr,  # a multiple of 4; split_len is a multiple of BLOCK
+    HW_LOG2: tl.constexpr,  # see _log
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -88,9 +103,9 @@ def _gumbel_max_split_kernel(
         bits = tl.where(q == 0, r0[:, None], tl.where(q == 1, r1[:, None],
                                                       tl.where(q == 2, r2[:, None], r3[:, None])))
         if HAS_TEMPERATURE:
-            score = x + temperature * _gumbel_noise(bits)
+            score = x + temperature * _gumbel_noise(bits, HW_LOG2)
         else:
-            score = x + _gumbel_noise(bits)
+            score = x + _gumbel_noise(bits, HW_LOG2)
         # Strictly greater: each lane keeps the first of equal scores (its tokens ascend).
         better = score > best
         best = tl.where(better, score, best)
@@ -163,7 +178,8 @@ def gumbel_max_sample(logits: torch.Tensor, seeds: torch.Tensor,
     _gumbel_max_split_kernel[(num_rows, num_splits)](
         logits, logits.stride(0), temperature if temperature is not None else logits, seeds,
         maxima, argmax, vocab_size, split_len, num_splits,
-        HAS_TEMPERATURE=temperature is not None, BLOCK=block, num_warps=num_warps,
+        HAS_TEMPERATURE=temperature is not None, BLOCK=block, HW_LOG2=logits.is_cuda,
+        num_warps=num_warps,
     )
     if num_splits > 1:
         _argmax_of_splits_kernel[(num_rows,)](

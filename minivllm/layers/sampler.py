@@ -384,7 +384,8 @@ def gumbel_noise(bits: torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) noise (float32) from uniform 32-bit words (an int64 tensor in [0, 2**32)):
     w = (r + 1/2) / 2**32, E = -log(1 - w) ~ Exp(1), G = -log(E). The same float32 steps as
     the Triton kernel's `_gumbel_noise` (minivllm/kernels/sampling.py, whose docstring says
-    why E comes from a series for small w and why w is clamped below 1)."""
+    why E comes from a series for small w, why w is clamped below 1, and how closely its
+    compiled logs agree with these)."""
     w = (bits.float() + 0.5).mul_(2.0**-32).clamp_(max=1.0 - 2.0**-24)
     series = w + w * w * (0.5 + w * (1 / 3 + w * 0.25))
     e = torch.where(w < 2.0**-6, series, (1.0 - w).log_().neg_())
