@@ -1,13 +1,13 @@
 """Cascade (shared-prefix) decode attention against the plain split-KV decode kernel (GPU only).
 
     python -m benchmarks.kernels.cascade_attention            # the backend's heuristic split counts
-    python -m benchmarks.kernels.cascade_attention --sweep    # also other prefix tiles / split counts
+    python -m benchmarks.kernels.cascade_attention --sweep    # also each launch alone, other tiles / split counts
 
 W3's decode step (BENCH.md), one layer: Qwen3-0.6B heads (16 query, 8 KV, head_dim 128,
 bf16, block size 16), 256 sequences whose block tables all start with the same 128 blocks
 (a 2,048-token prefix) followed by 64..192 own tokens each, pages shuffled.
 
-Reported: median time (triton.testing.do_bench, eager: the cascade path is not graphed),
+Reported: median time in a CUDA graph (triton.testing.do_bench_cudagraph, as the engine replays it),
 and bytes / time for both. Bytes are what each kernel must move from HBM: the plain kernel
 reads every sequence's whole context (the prefix 256 times); the cascade reads the prefix
 once (its other row tiles hit L2), the suffixes once, and writes + reads its fp32 partials.
@@ -51,8 +51,17 @@ def build_w3(seed: int = 0):
     return k_cache, v_cache, lens, table.cuda(), num_prefix_blocks, seq_lens
 
 
-def median_s(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
+def graphed_s(fn) -> float:
+    """Median seconds of fn replayed in a CUDA graph, as the engine runs it (eager launch
+    overhead would hide a kernel this short)."""
+    fn()
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e-3
+
+
+# Own-keys (suffix) launch tiles tried by --sweep: (BLOCK_N, num_warps, num_stages). W3's own
+# contexts are 64..192 tokens, a few tiles per program, where decode_config()'s long-context
+# tiles may leave too few programs resident.
+SUFFIX_TILES = [(64, 4, 3), (64, 4, 2), (32, 4, 2), (32, 4, 3), (32, 4, 4), (16, 4, 3), (32, 2, 2), (64, 8, 2)]
 
 
 def main() -> None:
@@ -69,11 +78,11 @@ def main() -> None:
     # Plain split-KV decode: every sequence reads its whole context.
     splits = pa.decode_num_splits(NUM_SEQS, HKV, max(seq_lens), sms)
     plain_out = torch.empty_like(q)
-    plain = lambda: pa.paged_attention_decode(  # noqa: E731
+    plain = lambda: pa.paged_attention_decode(
         q, k_cache, v_cache, lens, table, scale, splits, out=plain_out)
     plain()
     plain_bytes = sum(seq_lens) * token_bytes
-    t = median_s(plain)
+    t = graphed_s(plain)
     print(f"   plain   (splits {splits}): {t * 1e6:8.1f} us, {plain_bytes / 1e6:7.1f} MB -> "
           f"{plain_bytes / t / 1e12:5.2f} TB/s ({100 * plain_bytes / t / PEAK_BW:5.1f}% of 4.24)",
           flush=True)
@@ -86,6 +95,8 @@ def main() -> None:
         triton.cdiv(rows, default_cfg["BLOCK_M"]), HKV, PREFIX_LEN, sms)
     variants = [(default_cfg, prefix_splits, suffix_splits, "default")]
     if args.sweep:
+        sweep_launches(q, k_cache, v_cache, lens, table, num_prefix_blocks, scale, default_cfg,
+                       prefix_splits, suffix_tokens * token_bytes)
         for bm, bn, w, s in [(128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
                              (64, 128, 8, 2), (256, 64, 8, 2)]:
             for ps in [1, 2, 4, 8, 16]:
@@ -107,14 +118,42 @@ def main() -> None:
             continue
         diff = (out.float() - plain_out.float()).abs().max().item()
         assert diff < 3e-2, f"cascade disagrees with plain decode (max |diff| {diff})"
-        # fp32 partials: each part written once and read once by the reduce.
+        # fp32 partials: each part written once and read once by the merge.
         partial_bytes = 2 * NUM_SEQS * HQ * (ps + ss) * (D + 1) * 4
         cascade_bytes = (PREFIX_LEN + suffix_tokens) * token_bytes + partial_bytes
-        t = median_s(fn)
+        t = graphed_s(fn)
         print(f"   cascade BLOCK_M {cfg['BLOCK_M']:3d} BLOCK_N {cfg['BLOCK_N']:3d} warps "
               f"{cfg['num_warps']} stages {cfg['num_stages']} splits {ps:2d}+{ss}: {t * 1e6:8.1f} us, "
               f"{cascade_bytes / 1e6:6.1f} MB -> {cascade_bytes / t / 1e12:5.2f} TB/s "
               f"(max |diff| vs plain {diff:.3g}) {tag}", flush=True)
+
+
+def sweep_launches(q, k_cache, v_cache, lens, table, num_prefix_blocks, scale, prefix_cfg,
+                   prefix_splits: int, suffix_bytes: int) -> None:
+    """Each launch of the cascade alone, in a CUDA graph: the prefix launch (default tiles),
+    then the own-keys launch, one split (it merges the prefix parts itself), over
+    SUFFIX_TILES; with the whole cascade (all launches) graphed for each."""
+    parts = prefix_splits + 1
+    part_out = torch.empty(NUM_SEQS * HQ * parts * D, dtype=torch.float32, device="cuda")
+    part_lse = torch.empty(NUM_SEQS * HQ * parts, dtype=torch.float32, device="cuda")
+    out = torch.empty_like(q)
+
+    def launch(mode: int, splits: int, offset: int, cfg: dict) -> None:
+        pa._launch_decode_split(q, k_cache, v_cache, out, part_out, part_lse, lens, table, mode,
+                                num_prefix_blocks, scale, splits, offset, parts, cfg)
+    t = graphed_s(lambda: launch(pa.DECODE_SHARED_PREFIX, prefix_splits, 0, prefix_cfg))
+    print(f"   prefix launch alone (graphed, BLOCK_M {prefix_cfg['BLOCK_M']} BLOCK_N {prefix_cfg['BLOCK_N']}, "
+          f"splits {prefix_splits}): {t * 1e6:7.1f} us", flush=True)
+    for block_n, warps, stages in SUFFIX_TILES:
+        cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+        t = graphed_s(lambda cfg=cfg: launch(pa.DECODE_OWN_KEYS, 1, prefix_splits, cfg))
+        whole = graphed_s(lambda cfg=cfg: pa.paged_attention_decode_shared_prefix(
+            q, k_cache, v_cache, lens, table, num_prefix_blocks, scale, prefix_splits=prefix_splits,
+            suffix_splits=1, out=out, part_out=part_out, part_lse=part_lse, prefix_config=prefix_cfg,
+            suffix_config=cfg))
+        print(f"   own-keys launch alone BLOCK_N {block_n:3d} warps {warps} stages {stages}: {t * 1e6:7.1f} us "
+              f"({suffix_bytes / t / 1e12:4.2f} TB/s of own K/V); whole cascade graphed {whole * 1e6:7.1f} us",
+              flush=True)
 
 
 if __name__ == "__main__":
