@@ -138,6 +138,23 @@ def test_reduce_launch_only_for_a_split_suffix(monkeypatch, suffix_splits, reduc
     assert len(launches) == reduce_launches
 
 
+@pytest.mark.parametrize("num_row_tiles", [1, 2, 3, 4, 33, 200])
+@pytest.mark.parametrize("prefix_len", [16, 300, 2048, 1 << 20])
+def test_prefix_splits_stay_within_one_wave(num_row_tiles, prefix_len):
+    """The prefix launch runs one program per SM: its split count never makes a second
+    wave (unless one split per tile already does), nor more splits than the prefix has
+    PREFIX_MIN_TOKENS_PER_SPLIT-token pieces (rounded up)."""
+    num_sms, num_kv_heads = 132, 8
+    splits = pa.shared_prefix_num_splits(num_row_tiles, num_kv_heads, prefix_len, num_sms)
+    programs_per_split = num_row_tiles * num_kv_heads
+    pieces = -(-prefix_len // pa.PREFIX_MIN_TOKENS_PER_SPLIT)
+    assert 1 <= splits <= min(pieces, pa.DECODE_MAX_SPLITS)
+    assert splits == 1 or splits * programs_per_split <= num_sms
+    # The most that fits: one more split would break one of the bounds.
+    more = splits + 1
+    assert more * programs_per_split > num_sms or more > pieces or more > pa.DECODE_MAX_SPLITS
+
+
 def test_empty_prefix_is_plain_decode():
     batch = CascadeBatch([5, 20], 0, 8, 2, 1, 64, torch.float32)
     assert torch.equal(batch.cascade(suffix_splits=2), batch.plain(num_splits=2))

@@ -25,8 +25,8 @@ def sm_count(device: torch.device) -> int:
 def split_count(target_programs: int, programs_per_split: int, length: int, min_split_len: int,
                 max_splits: int | None = None) -> int:
     """How many pieces to split a length-`length` reduction into, so that a launch reaches
-    target_programs programs (each split adds programs_per_split), with no piece shorter
-    than min_split_len; at least 1, at most max_splits (None: no cap)."""
+    target_programs programs (each split adds programs_per_split), with at most one piece
+    per min_split_len of length (rounded up); at least 1, at most max_splits (None: no cap)."""
     want = -(-target_programs // max(1, programs_per_split))
     by_len = -(-max(1, length) // min_split_len)
     return max(1, min(want, by_len, by_len if max_splits is None else max_splits))

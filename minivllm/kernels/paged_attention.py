@@ -690,10 +690,10 @@ def _launch_decode_reduce(part_out, part_lse, out, num_parts: int) -> None:
 # Cascade decode: a prefix shared by the whole batch is read once per tile of queries
 # ----------------------------------------------------------------------------------------
 # The prefix launch is compute-shaped (BLOCK_M x BLOCK_N tiles on tensor cores, K/V mostly
-# from L2), so aim for about one wave of programs: more splits only add workspace traffic.
-# (Chosen by that reasoning, not by a sweep; benchmarks/kernels/cascade_attention.py --sweep
-# times other split counts.)
-PREFIX_PROGRAMS_PER_SM = 1
+# from L2) and its bf16 tiles take ~160 KB of shared memory, one program per SM: so at most
+# one wave of programs. A second, partial wave costs a whole program's time, and more splits
+# add workspace traffic (on W3's step: 4 splits, 128 programs, 81 us for the whole cascade;
+# 5 splits, 160 programs, 86 us; benchmarks/kernels/cascade_attention.py --sweep).
 PREFIX_MIN_TOKENS_PER_SPLIT = 256
 
 
@@ -706,6 +706,16 @@ def shared_prefix_config(head_dim: int, dtype: torch.dtype, num_rows: int) -> di
             "num_stages": cfg["num_stages"]}
 
 
+def own_keys_config(head_dim: int, dtype: torch.dtype) -> dict:
+    """Tiles for the cascade's own-keys launch: decode_config()'s with half the keys per tile
+    and two stages. Own contexts are short (a few tiles per program), where more programs
+    resident per SM beat deeper pipelines: on W3's decode step (256 sequences of 64-192 own
+    tokens, bf16, D=128, H200) 50.5 us against 61.8 with decode_config()'s tiles, the best of
+    benchmarks/kernels/cascade_attention.py --sweep."""
+    cfg = decode_config(head_dim, dtype)
+    return cfg | {"BLOCK_N": max(16, cfg["BLOCK_N"] // 2), "num_stages": 2}
+
+
 def shared_prefix_num_splits(
     num_row_tiles: int,
     num_kv_heads: int,
@@ -713,10 +723,11 @@ def shared_prefix_num_splits(
     num_sms: int,
     max_splits: int = DECODE_MAX_SPLITS,
 ) -> int:
-    """Programs along the shared prefix per (row tile, KV head): about one wave in all,
-    no split shorter than PREFIX_MIN_TOKENS_PER_SPLIT tokens."""
-    return split_count(PREFIX_PROGRAMS_PER_SM * num_sms, num_row_tiles * num_kv_heads, prefix_len,
-                       PREFIX_MIN_TOKENS_PER_SPLIT, max_splits)
+    """Programs along the shared prefix per (row tile, KV head): as many as one wave of
+    num_sms programs holds (at least 1), at most one per PREFIX_MIN_TOKENS_PER_SPLIT tokens
+    (rounded up) and at most max_splits."""
+    one_wave = max(1, num_sms // (num_row_tiles * num_kv_heads))
+    return split_count(one_wave, 1, prefix_len, PREFIX_MIN_TOKENS_PER_SPLIT, max_splits)
 
 
 def paged_attention_decode_shared_prefix(
@@ -751,7 +762,7 @@ def paged_attention_decode_shared_prefix(
 
     part_out / part_lse: fp32 workspace of at least B * Hq * (prefix_splits + suffix_splits)
     * D and B * Hq * (prefix_splits + suffix_splits) elements (allocated if None).
-    prefix_config overrides shared_prefix_config(), suffix_config decode_config().
+    prefix_config overrides shared_prefix_config(), suffix_config own_keys_config().
     No host synchronisation: P and the lengths are read on the device, so a CUDA graph of
     this call serves any P (choose the split counts for the longest P it may see).
     """
@@ -767,7 +778,7 @@ def paged_attention_decode_shared_prefix(
     if prefix_config is None:
         prefix_config = shared_prefix_config(head_dim, q.dtype, num_seqs * gqa)
     if suffix_config is None:
-        suffix_config = decode_config(head_dim, q.dtype)
+        suffix_config = own_keys_config(head_dim, q.dtype)
     # Workspace parts per (sequence, head): the prefix splits first, then the suffix's.
     num_parts = prefix_splits + suffix_splits
     part_out, part_lse = _decode_workspace(part_out, part_lse, num_seqs * num_q_heads * num_parts, q)
