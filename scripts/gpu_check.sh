@@ -21,7 +21,8 @@
 #   w1_8b  W1 throughput, qwen3-8b                                     (~1-2 min)
 #   kernels  attention_kernels.py, cascade_attention.py, fused_ops.py, skinny_matmul.py, sampler.py,
 #          decode_w1.py (decode attention on W1's batches) (~6 min)
-#   profile  step_profile.py at batch 256 and 1, W3's decode step, W2's prefill (host vs GPU time, top kernels)
+#   profile  step_profile.py at batch 256 and 1, W3's decode step, W2's prefill, W3's prompt steps
+#          (host vs GPU time, top kernels)
 #   tp     the tensor-parallel GPU tests; needs 2 GPUs (the nvidia-h200-x2 kind; skipped on one),
 #          so not part of "all" (until 0e3f9e4 its first case hung at shutdown, in destroy_process_group)
 #
@@ -113,7 +114,8 @@ for step in ${GPU_CHECK//,/ }; do
             run_step profile_b256 python3 -m benchmarks.kernels.step_profile --batch 256 --context 1000
             run_step profile_b1 python3 -m benchmarks.kernels.step_profile --batch 1 --context 1000
             run_step profile_w3 python3 -m benchmarks.kernels.step_profile --batch 256 --shared-prefix 2048 --context 64
-            run_step profile_ttft python3 -m benchmarks.kernels.step_profile --prefill --context 1024 --steps 10 ;;
+            run_step profile_ttft python3 -m benchmarks.kernels.step_profile --prefill --context 1024 --steps 10
+            run_step profile_w3_start python3 -m benchmarks.kernels.step_profile --start w3 ;;
         *) echo "unknown step '$step' (steps: $ALL_STEPS)"; failed=1 ;;
     esac
 done

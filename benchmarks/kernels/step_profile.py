@@ -8,14 +8,16 @@ from torch.profiler.
     python -m benchmarks.kernels.step_profile --model qwen3-0.6b --batch 256 --context 1000
     python -m benchmarks.kernels.step_profile --batch 256 --shared-prefix 2048 --context 64   # W3's decode
     python -m benchmarks.kernels.step_profile --prefill --context 1024     # W2's time to first token
-    python -m benchmarks.kernels.step_profile --w1-start                   # W1's prompt steps
+    python -m benchmarks.kernels.step_profile --start w1                   # W1's prompt steps
+    python -m benchmarks.kernels.step_profile --start w3                   # W3's prompt steps
 
 --prefill times whole generate() calls of one fresh --context-token prompt and one output
 token instead: wall time per call against the GPU kernel time per call (the gap is host
 work: the eager forward's launches, scheduling, sampling, output).
---w1-start times W1's first steps instead: its 256 requests added at once, every step until
-the last prompt token is computed (prompt chunks of max_num_batched_tokens, with the decodes
-of the prompts done so far).
+--start w1 / w3 times a workload's first steps instead: its 256 requests added at once, every
+step until the last prompt token is computed (prompt chunks of max_num_batched_tokens, with the
+decodes of the prompts done so far). Each run gets prompts of its own, so nothing comes from an
+earlier run's cache (W3's requests still share their prefix within the run, as in the benchmark).
 """
 
 import argparse
@@ -30,6 +32,7 @@ import torch
 
 from benchmarks.common import (
     W1_TEMPERATURE,
+    Request,
     add_common_args,
     make_llm,
     random_prompt,
@@ -38,6 +41,7 @@ from benchmarks.common import (
     w1_requests,
     warmup_llm,
 )
+from benchmarks.prefix_cache import w3_requests
 
 
 def main() -> None:
@@ -51,14 +55,15 @@ def main() -> None:
                         help="tokens every prompt starts with (before its own --context tokens)")
     parser.add_argument("--cprofile", action="store_true", help="also print the host's top functions")
     parser.add_argument("--prefill", action="store_true", help="profile single-prompt prefills (TTFT)")
-    parser.add_argument("--w1-start", action="store_true", help="profile W1's steps until every prompt is computed")
+    parser.add_argument("--start", choices=("w1", "w3"),
+                        help="profile this workload's steps until every prompt is computed")
     args = parser.parse_args()
     spec = resolve_model(args.model)
     llm, _ = make_llm(args, spec, max_num_seqs=max(args.batch, 1))
     if args.prefill:
         profile_prefill(llm, args, spec.vocab_size)
-    elif args.w1_start:
-        profile_w1_start(llm, args, spec.vocab_size)
+    elif args.start:
+        profile_start(llm, args, spec.vocab_size)
     else:
         profile_decode(llm, args, spec.vocab_size)
 
@@ -112,7 +117,16 @@ def profile_prefill(llm: Any, args: argparse.Namespace, vocab_size: int) -> None
         f"wall per generate() {wall / args.steps * 1e3:.3f} ms | GPU kernels per generate() {gpu}"))
 
 
-def profile_w1_start(llm: Any, args: argparse.Namespace, vocab_size: int) -> None:
+def start_requests(workload: str, scale: float, vocab_size: int, run: int) -> list[Request]:
+    """Run `run`'s requests of W1 or W3, none found in an earlier run's prefix cache: W1's
+    prompts get a first token of the run's own, W3 draws the run's own prefix."""
+    if workload == "w3":
+        return w3_requests(scale, vocab_size, seed=run)
+    return [Request([(r.prompt_token_ids[0] + run) % vocab_size] + r.prompt_token_ids[1:], r.max_tokens)
+            for r in w1_requests(scale=scale, vocab_size=vocab_size)]
+
+
+def profile_start(llm: Any, args: argparse.Namespace, vocab_size: int) -> None:
     from minivllm import SamplingParams
 
     engine = llm.llm_engine
@@ -122,11 +136,9 @@ def profile_w1_start(llm: Any, args: argparse.Namespace, vocab_size: int) -> Non
     def run() -> None:
         nonlocal steps, runs
         runs += 1
-        for i, request in enumerate(w1_requests(scale=args.scale, vocab_size=vocab_size)):
+        for i, request in enumerate(start_requests(args.start, args.scale, vocab_size, runs)):
             params = SamplingParams(temperature=W1_TEMPERATURE, ignore_eos=True, max_tokens=request.max_tokens)
-            # A first token of each run's own: nothing comes from the prefix cache.
-            prompt = [(request.prompt_token_ids[0] + runs) % vocab_size] + request.prompt_token_ids[1:]
-            engine.add_request(f"w1-{runs}-{i}", {"prompt_token_ids": prompt}, params)
+            engine.add_request(f"{args.start}-{runs}-{i}", {"prompt_token_ids": request.prompt_token_ids}, params)
         steps = 0
         while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
                                               for s in engine.scheduler.running):
@@ -137,7 +149,7 @@ def profile_w1_start(llm: Any, args: argparse.Namespace, vocab_size: int) -> Non
             engine.abort_request(request_id)
 
     profile_and_report(run, 1, args, lambda wall, gpu: (
-        f"== W1's first {steps} steps (until every prompt is computed)\n"
+        f"== {args.start.upper()}'s first {steps} steps (until every prompt is computed)\n"
         f"wall {wall * 1e3:.1f} ms ({wall * 1e3 / steps:.2f} ms per step) | GPU kernels {gpu}"))
 
 
