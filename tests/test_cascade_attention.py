@@ -155,6 +155,15 @@ def test_prefix_splits_stay_within_one_wave(num_row_tiles, prefix_len):
     assert more * programs_per_split > num_sms or more > pieces or more > pa.DECODE_MAX_SPLITS
 
 
+def test_reduce_over_more_parts_than_one_step():
+    """31 prefix + 4 suffix splits: 35 parts per row, more than the reduce loads at once
+    (PARTS_PER_STEP 32). The prefix fills only its first splits, the 200-token suffix all
+    four of its own (parts 31-34): keys on both sides of the step boundary, so the running
+    maximum has to carry across it."""
+    batch = CascadeBatch([1, 200, 3], 4, 16, 4, 2, 64, torch.float32, seed=13)
+    batch.check(batch.cascade(prefix_splits=31, suffix_splits=4))
+
+
 def test_empty_prefix_is_plain_decode():
     batch = CascadeBatch([5, 20], 0, 8, 2, 1, 64, torch.float32)
     assert torch.equal(batch.cascade(suffix_splits=2), batch.plain(num_splits=2))

@@ -392,29 +392,29 @@ def _decode_reduce_kernel(
 ):
     # One program per (sequence, query head): out = sum_s w_s * o_s / sum_s w_s with
     # w_s = 2 ** (lse_s - max lse): the parts' softmaxes rescaled to a common maximum.
-    # Two passes over the parts, PARTS_PER_STEP at a time: the maximum, then the sums.
+    # One pass, PARTS_PER_STEP parts at a time (their lse and outputs loaded together: the
+    # kernel is a few dependent loads long), the running maximum rescaling what came before.
     seq = tl.program_id(0)
     head = tl.program_id(1)
     first_part = (seq * num_q_heads + head) * num_parts
     steps = tl.arange(0, PARTS_PER_STEP)
-    lse_max = tl.full([], float("-inf"), tl.float32)
-    for start in range(0, num_parts, PARTS_PER_STEP):
-        lse = tl.load(part_lse_ptr + first_part + start + steps, mask=start + steps < num_parts,
-                      other=float("-inf"))
-        lse_max = tl.maximum(lse_max, tl.max(lse, 0))
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # every split empty (seq_len 0)
     offs_d = tl.arange(0, HEAD_DIM)
-    den = tl.zeros([PARTS_PER_STEP], tl.float32)
-    acc = tl.zeros([PARTS_PER_STEP, HEAD_DIM], tl.float32)
+    m = tl.full([], float("-inf"), tl.float32)
+    den = tl.zeros([], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
     for start in range(0, num_parts, PARTS_PER_STEP):
         valid = start + steps < num_parts
         part = first_part + start + steps
-        w = tl.exp2(tl.load(part_lse_ptr + part, mask=valid, other=float("-inf")) - lse_max)
+        lse = tl.load(part_lse_ptr + part, mask=valid, other=float("-inf"))
         o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=valid[:, None], other=0.0)
-        den += w
-        acc += o * w[:, None]
-    total = tl.sum(den, 0)
-    out = tl.sum(acc, 0) / tl.where(total == 0.0, 1.0, total)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)  # no keys so far (seq_len 0): weights 0
+        alpha = tl.exp2(m - base)
+        w = tl.exp2(lse - base)
+        den = den * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        m = m_new
+    out = acc / tl.where(den == 0.0, 1.0, den)
     tl.store(out_ptr + seq.to(tl.int64) * stride_on + head * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty))
 
@@ -681,7 +681,7 @@ def _launch_decode_reduce(part_out, part_lse, out, num_parts: int) -> None:
         out.stride(0), out.stride(1),
         num_parts,
         HEAD_DIM=head_dim,
-        PARTS_PER_STEP=8,
+        PARTS_PER_STEP=32,  # DECODE_MAX_SPLITS: a plain decode's parts in one step
         num_warps=4,
     )
 
