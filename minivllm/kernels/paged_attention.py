@@ -681,7 +681,7 @@ def _launch_decode_reduce(part_out, part_lse, out, num_parts: int) -> None:
         out.stride(0), out.stride(1),
         num_parts,
         HEAD_DIM=head_dim,
-        PARTS_PER_STEP=32,  # DECODE_MAX_SPLITS: a plain decode's parts in one step
+        PARTS_PER_STEP=DECODE_MAX_SPLITS,  # a plain decode's parts in one step
         num_warps=4,
     )
 
@@ -692,8 +692,8 @@ def _launch_decode_reduce(part_out, part_lse, out, num_parts: int) -> None:
 # The prefix launch is compute-shaped (BLOCK_M x BLOCK_N tiles on tensor cores, K/V mostly
 # from L2) and its bf16 tiles take ~160 KB of shared memory, one program per SM: so at most
 # one wave of programs. A second, partial wave costs a whole program's time, and more splits
-# add workspace traffic (on W3's step: 4 splits, 128 programs, 81 us for the whole cascade;
-# 5 splits, 160 programs, 86 us; benchmarks/kernels/cascade_attention.py --sweep).
+# add workspace traffic (checked on W3's decode step: benchmarks/kernels/cascade_attention.py
+# --sweep).
 PREFIX_MIN_TOKENS_PER_SPLIT = 256
 
 
@@ -709,9 +709,8 @@ def shared_prefix_config(head_dim: int, dtype: torch.dtype, num_rows: int) -> di
 def own_keys_config(head_dim: int, dtype: torch.dtype) -> dict:
     """Tiles for the cascade's own-keys launch: decode_config()'s with half the keys per tile
     and two stages. Own contexts are short (a few tiles per program), where more programs
-    resident per SM beat deeper pipelines: on W3's decode step (256 sequences of 64-192 own
-    tokens, bf16, D=128, H200) 50.5 us against 61.8 with decode_config()'s tiles, the best of
-    benchmarks/kernels/cascade_attention.py --sweep."""
+    resident per SM beat deeper pipelines. Tuned on W3's decode step (256 sequences of 64-192
+    own tokens, bf16, D=128, H200): the best of benchmarks/kernels/cascade_attention.py --sweep."""
     cfg = decode_config(head_dim, dtype)
     return cfg | {"BLOCK_N": max(16, cfg["BLOCK_N"] // 2), "num_stages": 2}
 
