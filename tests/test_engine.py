@@ -1,7 +1,9 @@
 """Engine behaviour that engines of this kind have got wrong: edge lengths, identical
 prompts in one step, aborts, stops, n > 1, logprobs, seeds, and bad input."""
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -300,3 +302,18 @@ def test_start_up_warm_up_step_wraps_around_a_small_cache(model_dir: str) -> Non
     prompt = random_prompt(2 * BLOCK_SIZE + 5, seed=9)
     out = llm.generate({"prompt_token_ids": prompt}, greedy(6), use_tqdm=False)[0]
     assert list(out.outputs[0].token_ids) == hf_greedy(model_dir, prompt, 6)[0]
+
+
+def test_startup_heap_frozen_and_a_deleted_engine_freed(model_dir: str) -> None:
+    """The engine keeps the garbage collector off its start-up objects while it lives (no
+    full collection pauses a step over them), and gives them back when it goes: a deleted
+    LLM's engine is collected, not kept alive by the freeze."""
+    gc.collect()
+    gc.unfreeze()
+    llm = LLM(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE)
+    assert gc.get_freeze_count() > 0
+    engine = weakref.ref(llm.llm_engine)
+    del llm
+    gc.collect()
+    assert engine() is None
+    assert gc.get_freeze_count() == 0
