@@ -41,6 +41,31 @@ def test_cascade_attention_for_a_shared_prefix(model_dir: str, cascade_calls: li
     assert cascade_calls, "the cascade path was not taken"
 
 
+def test_cascade_for_the_decodes_of_mixed_steps(model_dir: str, cascade_calls: list[int],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sequences decoding beside others' prompt chunks (a mixed step) read their shared
+    prefix through the cascade too, and still match HF."""
+    from minivllm.attention.triton_backend import TritonAttentionBackend
+
+    mixed_cascades = []
+    attend = TritonAttentionBackend.attend
+
+    def spy(self, q, k_cache, v_cache, meta, scale):  # noqa: ANN001, ANN202
+        if meta.num_shared_prefix_blocks is not None and not meta.is_decode_only:
+            mixed_cascades.append(meta.max_query_len)
+        return attend(self, q, k_cache, v_cache, meta, scale)
+
+    monkeypatch.setattr(TritonAttentionBackend, "attend", spy)
+    rng = random.Random(4)
+    shared = [rng.randrange(3, 700) for _ in range(40)]  # five 8-token blocks
+    prompts = [shared + [rng.randrange(3, 700) for _ in range(n)] for n in (3, 5, 9, 2, 12)]
+    # 16-token steps: the later prompts' chunks share steps with the earlier ones' decodes.
+    llm = LLM(model_dir, dtype="float32", max_model_len=96, block_size=8, kernels="triton",
+              max_num_batched_tokens=16)
+    assert greedy_outputs(llm, prompts, 6) == [hf_greedy(model_dir, p, 6)[0] for p in prompts]
+    assert mixed_cascades, "no mixed step took the cascade for its decodes"
+
+
 @pytest.mark.parametrize("arch", ["llama3-rope-scaling", "qwen2"])
 def test_architectures_without_qk_norm_match_hf(arch: str, tiny_model_factory) -> None:
     """The fused attention-input kernel without Qwen3's q/k norms (RoPE + KV store only)."""

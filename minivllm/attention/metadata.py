@@ -26,11 +26,12 @@ class AttentionMetadata:
     # replays change the device values without the host knowing.
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
-    # Decode-only steps whose sequences' block tables all begin with the same blocks (a
-    # prefix the whole batch shares, as prefix caching leaves it): how many, as a 1-element
-    # int32 tensor on the device, so that attention reads the shared prefix once per tile of
-    # queries (cascade decode) instead of once per sequence. On the device so that one CUDA
-    # graph serves any prefix. None: no shared prefix used.
+    # Steps whose decodes (the sequences with one new token that lead the batch: all of a
+    # decode-only step) have block tables that all begin with the same blocks (a prefix they
+    # share, as prefix caching leaves it): how many, as a 1-element int32 tensor on the
+    # device, so that attention reads the shared prefix once per tile of queries (cascade
+    # decode) instead of once per sequence. On the device so that one CUDA graph serves any
+    # prefix. None: no shared prefix used.
     num_shared_prefix_blocks: torch.Tensor | None = None
 
     @property

@@ -10,10 +10,10 @@ decode kernel too, and the rest to the mixed kernel. Both are CUDA-graph captura
 sizes come from tensor shapes and meta.max_seq_len only (under graphs pass max_model_len as
 max_seq_len), real lengths are read from meta.seq_lens on the device.
 
-Decode-only steps whose sequences all begin with the same blocks take the cascade kernels
-when the runner sets meta.num_shared_prefix_blocks: the shared prefix is read once per tile
-of queries instead of once per sequence. Also capturable: the prefix length is read on the
-device, split counts follow meta.max_seq_len.
+Decodes (of a decode-only or a mixed step) that all begin with the same blocks take the
+cascade kernels when the runner sets meta.num_shared_prefix_blocks: the shared prefix is read
+once per tile of queries instead of once per sequence. Also capturable: the prefix length is
+read on the device, split counts follow meta.max_seq_len.
 """
 
 import torch
@@ -90,10 +90,8 @@ class TritonAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         if meta.is_decode_only:
-            if meta.num_shared_prefix_blocks is not None:
-                return self._decode_shared_prefix(q, k_cache, v_cache, meta, scale)
-            return self._decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables,
-                                meta.max_seq_len, scale)
+            return self._decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, meta.max_seq_len,
+                                meta.num_shared_prefix_blocks, scale)
         # Mixed step. Sequences with one new token at the front of the batch (the running
         # sequences' decodes: ScheduledBatch puts them first) go to the decode kernel: in
         # the mixed kernel each would occupy a whole query tile, wasting its matmul work.
@@ -106,15 +104,20 @@ class TritonAttentionBackend:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if num_decodes > 0:
             self._decode(q[:num_decodes], k_cache, v_cache, meta.seq_lens[:num_decodes],
-                         meta.block_tables[:num_decodes], meta.max_seq_len, scale,
-                         out=out[:num_decodes])
+                         meta.block_tables[:num_decodes], meta.max_seq_len, meta.num_shared_prefix_blocks,
+                         scale, out=out[:num_decodes])
         if num_decodes < num_seqs:
             paged_attention_mixed(
                 q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 scale, out=out, first_seq=num_decodes, first_token=qsl[num_decodes] if qsl else 0)
         return out
 
-    def _decode(self, q, k_cache, v_cache, seq_lens, block_tables, max_seq_len, scale, out=None):
+    def _decode(self, q, k_cache, v_cache, seq_lens, block_tables, max_seq_len, num_shared_prefix_blocks,
+                scale, out=None):
+        """Split-KV decode of these sequences; the cascade where num_shared_prefix_blocks is given."""
+        if num_shared_prefix_blocks is not None:
+            return self._decode_shared_prefix(q, k_cache, v_cache, seq_lens, block_tables, max_seq_len,
+                                              num_shared_prefix_blocks, scale, out)
         num_seqs, num_q_heads, head_dim = q.shape
         num_splits = decode_num_splits(
             num_seqs, k_cache.shape[2], max_seq_len, self._sm_count(q.device), self.max_splits)
@@ -125,25 +128,26 @@ class TritonAttentionBackend:
             q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits,
             out=out, part_out=part_out, part_lse=part_lse)
 
-    def _decode_shared_prefix(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def _decode_shared_prefix(self, q, k_cache, v_cache, seq_lens, block_tables, max_seq_len,
+                              num_shared_prefix_blocks, scale, out):
         """Cascade decode: the shared prefix once per tile of queries, then each sequence's
         own keys, merged. The prefix length is on the device: split counts are chosen for
-        contexts up to meta.max_seq_len (splits past the real lengths stay empty)."""
+        contexts up to max_seq_len (splits past the real lengths stay empty)."""
         num_seqs, num_q_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         num_sms = self._sm_count(q.device)
         num_rows = num_seqs * (num_q_heads // num_kv_heads)  # (sequence, head) rows per KV head
         prefix_cfg = shared_prefix_config(head_dim, q.dtype, num_rows)
         num_row_tiles = triton.cdiv(num_rows, prefix_cfg["BLOCK_M"])
-        prefix_splits = shared_prefix_num_splits(num_row_tiles, num_kv_heads, meta.max_seq_len, num_sms,
+        prefix_splits = shared_prefix_num_splits(num_row_tiles, num_kv_heads, max_seq_len, num_sms,
                                                  self.max_splits)
-        suffix_splits = decode_num_splits(num_seqs, num_kv_heads, meta.max_seq_len, num_sms, self.max_splits)
+        suffix_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms, self.max_splits)
         part_out, part_lse = self._workspace(
             num_seqs * num_q_heads * (prefix_splits + suffix_splits), head_dim, q.device)
         return paged_attention_decode_shared_prefix(
-            q, k_cache, v_cache, meta.seq_lens, meta.block_tables, meta.num_shared_prefix_blocks, scale,
+            q, k_cache, v_cache, seq_lens, block_tables, num_shared_prefix_blocks, scale,
             prefix_splits=prefix_splits, suffix_splits=suffix_splits,
-            part_out=part_out, part_lse=part_lse, prefix_config=prefix_cfg)
+            out=out, part_out=part_out, part_lse=part_lse, prefix_config=prefix_cfg)
 
     def warm_up_shared_prefix(self, q_shape: tuple[int, int], dtype: torch.dtype, k_cache: torch.Tensor,
                               v_cache: torch.Tensor, max_num_seqs: int) -> None:

@@ -30,7 +30,7 @@ class StepInputs:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     graph: GraphShape | None  # run as the CUDA graph of this (tokens, sequence rows); None: eagerly
-    cascade: bool  # every sequence starts with the same blocks: cascade attention
+    cascade: bool  # every decode of the step starts with the same blocks: cascade attention
 
     @property
     def graph_kind(self) -> GraphKind:
@@ -55,7 +55,8 @@ def prepare_step_inputs(batch: ScheduledBatch, host: HostSet, block_size: int,
     A sequence's newest token may still be pending (sampled by the step in flight, not yet
     read back): it is written as 0, and pending_dst/pending_src say where the upload copies
     it from that step's output on the device (last_sampled_rows: sequence id -> its row
-    there). detect_cascade: look for a prefix shared by every sequence of a decode-only step.
+    there). detect_cascade: look for a prefix shared by every decode of the step (the decode
+    rows that lead it: all of a decode-only step).
     graph: for a step run as the CUDA graph of that shape (StepGraphs.padded_shape), the rows
     past the batch are filled with harmless padding: tokens stored nowhere, sequences empty.
     """
@@ -97,8 +98,12 @@ def prepare_step_inputs(batch: ScheduledBatch, host: HostSet, block_size: int,
     logits_indices = query_start_loc[1:num_seqs + 1][sampled] - 1
     buf.logits_indices[:len(logits_indices)] = logits_indices
     shared_blocks = 0
-    if detect_cascade and int(num_new.max()) == 1:
-        shared_blocks = shared_prefix_blocks(block_tables[:num_seqs], seq_lens, bs)
+    if detect_cascade:
+        # The decodes lead the batch (ScheduledBatch): all of a decode-only step's sequences,
+        # the running ones of a mixed step.
+        is_decode = num_new == 1
+        num_decodes = num_seqs if is_decode.all() else int(is_decode.argmin())
+        shared_blocks = shared_prefix_blocks(block_tables[:num_decodes], seq_lens[:num_decodes], bs)
         buf.num_shared_prefix_blocks[0] = shared_blocks
     rows, tokens = num_seqs, num_tokens
     if graph is not None:
