@@ -149,3 +149,36 @@ def test_block_hashes_chain_the_same_in_pieces_or_at_once() -> None:
     assert first + rest == at_once and len(set(at_once)) == 6
     changed = chain_block_hashes(b"", [7] + tokens[1:], BLOCK_SIZE)
     assert all(a != b for a, b in zip(changed, at_once))
+
+
+@given(st.lists(st.integers(0, 3), min_size=2, max_size=8), st.integers(0, 40), st.integers(0, 40))
+@settings(max_examples=200, deadline=None)
+def test_hashes_copied_from_the_last_hashed_sequence_are_its_own(divergence: list[int], common: int,
+                                                                    tail: int) -> None:
+    """A sequence that starts like the one hashed before it copies the hashes of the blocks
+    they share; every sequence must still get exactly the chain of its own tokens, whatever
+    they share (nothing, part of a block, whole blocks, all of the other)."""
+    kv = KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE, enable_prefix_caching=True)
+    base = list(range(100, 100 + common))
+    for i, token in enumerate(divergence):  # each sequence diverges from the last at its own point
+        tokens = base[:common * i // len(divergence)] + [token] * tail + base
+        seq = make_seq(tokens)
+        num_blocks = (len(tokens) - 1) // BLOCK_SIZE
+        assert kv._full_block_hashes(seq, num_blocks) == chain_block_hashes(
+            b"", tokens[:num_blocks * BLOCK_SIZE], BLOCK_SIZE)
+
+
+def test_a_shared_prefix_is_hashed_once(monkeypatch) -> None:
+    """Requests that share a long prefix hash only their own blocks after the first."""
+    from minivllm.engine import kv_cache_manager
+
+    hashed = []
+    chain = kv_cache_manager.chain_block_hashes
+    monkeypatch.setattr(kv_cache_manager, "chain_block_hashes",
+                        lambda parent, tokens, bs: hashed.append(len(tokens) // bs) or chain(parent, tokens, bs))
+    kv = KVCacheManager(num_blocks=256, block_size=BLOCK_SIZE, enable_prefix_caching=True)
+    prefix = list(range(1000, 1000 + 20 * BLOCK_SIZE))
+    for i in range(4):
+        seq = make_seq(prefix + [i] * (3 * BLOCK_SIZE))
+        assert kv.find_cached_prefix(seq) == []  # nothing computed yet: no hits, only hashes
+    assert hashed == [22, 2, 2, 2]  # 22 full blocks before the last token; then only the own ones

@@ -39,6 +39,10 @@ class KVCacheManager:
         self.block_hashes: list[bytes | None] = [None] * num_blocks
         self.block_token_ids: list[list[int] | None] = [None] * num_blocks
         self.cached_blocks: dict[bytes, int] = {}
+        # The sequence whose block hashes were chained last. Requests that arrive together
+        # often share a prefix (a system prompt, a document): each copies the hashes of the
+        # blocks it has in common with this one instead of hashing them again.
+        self._last_hashed: Sequence | None = None
         # Prefix-cache statistics, in tokens.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -54,11 +58,33 @@ class KVCacheManager:
     def _full_block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The chained hashes of seq's first num_blocks full blocks (memoised on the sequence)."""
         done = len(seq.block_hashes)
+        if done == 0 and self._last_hashed is not None:
+            seq.block_hashes = self._common_block_hashes(self._last_hashed, seq, num_blocks)
+            done = len(seq.block_hashes)
         if done < num_blocks:
             bs = self.block_size
             seq.block_hashes += chain_block_hashes(seq.block_hashes[-1] if done else b"",
                                                    seq.token_ids[done * bs:num_blocks * bs], bs)
+            self._last_hashed = seq
         return seq.block_hashes[:num_blocks]
+
+    def _common_block_hashes(self, other: Sequence, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """other's hashes of the leading full blocks (at most num_blocks) whose tokens seq has
+        too: equal tokens, equal chained hashes. Token lists are compared at C speed."""
+        a, b, bs = other.token_ids, seq.token_ids, self.block_size
+        if a[:bs] != b[:bs]:  # the usual answer for unrelated prompts, and the cheapest
+            return []
+        shared = min(num_blocks, len(other.block_hashes))  # blocks in common: at least 1, at most this
+        if a[:shared * bs] != b[:shared * bs]:
+            known, beyond = 1, shared  # bisect: `known` blocks are in common, `beyond` are not
+            while beyond - known > 1:
+                mid = (known + beyond) // 2
+                if a[:mid * bs] == b[:mid * bs]:
+                    known = mid
+                else:
+                    beyond = mid
+            shared = known
+        return other.block_hashes[:shared]
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix of seq, always leaving one token to compute."""

@@ -8,13 +8,14 @@ fill those and replay the graph of the smallest bucket that fits it, padded. Thr
 - "cascade": decode-only steps whose sequences share a prefix (its length is read from the
   buffers), by batch size;
 - "prefill": steps of prompt chunks (no decodes at the front, see padded_shape) of up to
-  PREFILL_GRAPH_MAX_TOKENS tokens, by token count and by sequence rows
+  max_num_batched_tokens tokens, by token count and by sequence rows
   (PREFILL_GRAPH_FEW_SEQS, or max_num_seqs). Its attention is the mixed kernel over all
   the rows, those past the batch empty: each empty row still launches a program per KV
   head, which is why a step of a few sequences gets a graph of few rows.
   Without a graph, launching a prefill's ~300 kernels from Python takes several times
-  longer than the GPU takes to run them at these sizes (a 1,024-token Qwen3-0.6B prefill
-  on an H200); larger steps keep the GPU busy eagerly.
+  longer than the GPU takes to run them for a 1,024-token Qwen3-0.6B prefill on an H200,
+  and about as long at 8,192 tokens: the host would have no time left to prepare the next
+  step while the device runs this one.
 """
 
 import logging
@@ -31,7 +32,6 @@ logger = logging.getLogger(__name__)
 
 GraphKind = Literal["decode", "cascade", "prefill"]
 GraphShape = tuple[int, int]  # (tokens, sequence rows) of a graph's inputs
-PREFILL_GRAPH_MAX_TOKENS = 2048
 # Steps of at most this many sequences take prefill graphs of this many rows, not
 # max_num_seqs: every empty row launches a program per KV head (a binary search of dependent
 # loads), scheduled ahead of the real ones. Checked on one 1,024-token Qwen3-0.6B prompt on
@@ -69,7 +69,7 @@ class StepGraphs:
         self.buffers = buffers
         self.max_model_len = max_model_len
         self.decode_sizes = graph_batch_sizes(max_num_seqs)
-        self.prefill_sizes = prefill_graph_sizes(min(PREFILL_GRAPH_MAX_TOKENS, max_num_batched_tokens))
+        self.prefill_sizes = prefill_graph_sizes(max_num_batched_tokens)
         self.prefill_rows = sorted({min(PREFILL_GRAPH_FEW_SEQS, max_num_seqs), max_num_seqs})
         self.graphs: dict[tuple[GraphShape, GraphKind], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[GraphShape, GraphKind], torch.Tensor] = {}
