@@ -105,6 +105,10 @@ def test_hash_collision_is_not_a_hit() -> None:
     forged_hash = kv._full_block_hashes(impostor, 1)[0]
     kv.cached_blocks[forged_hash] = seq.block_table[0]
     assert kv.find_cached_prefix(impostor) == []
+    # A collision past real hits: the hits before it stand, it and what follows do not.
+    partly = make_seq(list(range(4)) + [9, 9, 9, 9, 9])
+    kv.cached_blocks[kv._full_block_hashes(partly, 2)[1]] = seq.block_table[1]
+    assert kv.find_cached_prefix(partly) == seq.block_table[:1]
 
 
 def test_allocation_failure_changes_nothing() -> None:

@@ -9,6 +9,7 @@ stored token ids, so a hash collision can never produce wrong output.
 
 from array import array
 from collections import OrderedDict
+from itertools import chain
 
 import xxhash
 
@@ -26,6 +27,11 @@ def chain_block_hashes(parent_hash: bytes, token_ids: list[int], block_size: int
         parent_hash = xxhash.xxh3_128_digest(parent_hash + data[offset:offset + step])
         hashes.append(parent_hash)
     return hashes
+
+
+# Blocks of two sequences' tokens compared per slice when looking for their common prefix:
+# few slices for a long common prefix, little copied past the point where they part.
+COMPARED_BLOCKS = 16
 
 
 class KVCacheManager:
@@ -70,21 +76,20 @@ class KVCacheManager:
 
     def _common_block_hashes(self, other: Sequence, seq: Sequence, num_blocks: int) -> list[bytes]:
         """other's hashes of the leading full blocks (at most num_blocks) whose tokens seq has
-        too: equal tokens, equal chained hashes. Token lists are compared at C speed."""
+        too: equal tokens, equal chained hashes. Token lists are compared at C speed, a chunk
+        of blocks at a time, then block by block in the chunk where they part."""
         a, b, bs = other.token_ids, seq.token_ids, self.block_size
-        if a[:bs] != b[:bs]:  # the usual answer for unrelated prompts, and the cheapest
-            return []
-        shared = min(num_blocks, len(other.block_hashes))  # blocks in common: at least 1, at most this
-        if a[:shared * bs] != b[:shared * bs]:
-            known, beyond = 1, shared  # bisect: `known` blocks are in common, `beyond` are not
-            while beyond - known > 1:
-                mid = (known + beyond) // 2
-                if a[:mid * bs] == b[:mid * bs]:
-                    known = mid
-                else:
-                    beyond = mid
-            shared = known
-        return other.block_hashes[:shared]
+        limit = min(num_blocks, len(other.block_hashes)) * bs
+        chunk = COMPARED_BLOCKS * bs
+        shared = 0  # tokens known to be in common: whole blocks
+        while shared < limit:
+            end = min(shared + chunk, limit)
+            if a[shared:end] != b[shared:end]:
+                while a[shared:shared + bs] == b[shared:shared + bs]:  # stops inside this chunk
+                    shared += bs
+                break
+            shared = end
+        return other.block_hashes[:shared // bs]
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix of seq, always leaving one token to compute."""
@@ -92,12 +97,15 @@ class KVCacheManager:
             return []
         # The last token must be computed to produce logits, so it never comes from the cache.
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        hits = []
-        for i, block_hash in enumerate(self._full_block_hashes(seq, max_blocks)):
-            block_id = self.cached_blocks.get(block_hash)
-            if block_id is None or self.block_token_ids[block_id] != self._block_tokens(seq, i):
-                break
-            hits.append(block_id)
+        hits = list(map(self.cached_blocks.get, self._full_block_hashes(seq, max_blocks)))  # None: not cached
+        if None in hits:
+            hits = hits[:hits.index(None)]
+        # The hits' stored tokens must be seq's (so that a hash collision cannot give wrong
+        # output): checked all at once, block by block only to find where they differ.
+        stored = self.block_token_ids
+        hit_tokens = list(chain.from_iterable(stored[block_id] for block_id in hits))
+        if hit_tokens != seq.token_ids[:len(hit_tokens)]:
+            hits = hits[:next(i for i, block_id in enumerate(hits) if stored[block_id] != self._block_tokens(seq, i))]
         return hits
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[int] | None = None) -> bool:
