@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerFast
 
 from minivllm.demo import IM_END, IM_START, build_tokenizer
-from minivllm.engine.detokenizer import IncrementalDetokenizer
+from minivllm.engine.detokenizer import IncrementalDetokenizer, detokenize
 from minivllm.sampling_params import SamplingParams
 
 FFFD = "\ufffd"
@@ -224,3 +224,18 @@ def test_stop_strings_match_a_full_redecode(text: str, stops: list[str], include
     streamed += detok.get_next_output_text(finished=True, delta=True)
     want_text, want_stop = _reference_stop(output, stops, include)
     assert (streamed, detok.output_text, stop) == (want_text, want_text, want_stop)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["", "The capital of France", "日本", "a b c d e f"]),
+                          st.text(alphabet="ab 日本語🎉é,.!\n", max_size=30)), min_size=1, max_size=6),
+       st.booleans())
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_batched_final_texts_are_the_incremental_ones(cases: list[tuple[str, str]], skip: bool) -> None:
+    """detokenize(), the engine's one batched decode of sequences that finish together, gives
+    each the text that its own IncrementalDetokenizer would end with (partial characters,
+    prompt context and special tokens included)."""
+    sequences = [(TOKENIZER.encode(prompt), TOKENIZER.encode(text)) for prompt, text in cases]
+    sequences.append((PROMPT, [TOKENIZER.convert_tokens_to_ids(IM_START), *TOKENIZER.encode(" hi")]))
+    expected = [stream(TOKENIZER, prompt, output, SamplingParams(skip_special_tokens=skip))[1]
+                for prompt, output in sequences]
+    assert detokenize(TOKENIZER, sequences, skip) == expected

@@ -54,17 +54,21 @@ def _prompt_context(tokenizer: Tokenizer, prompt_token_ids: list[int], skip_spec
     return prompt_token_ids[-_PROMPT_CONTEXT_MAX:]
 
 
-def detokenize(tokenizer: PreTrainedTokenizerBase | Tokenizer, prompt_token_ids: list[int],
-               output_token_ids: list[int], skip_special_tokens: bool) -> str:
-    """All output text at once: what IncrementalDetokenizer gives at the end without stop
-    strings, in one call. For requests that neither stream nor look for stop strings."""
+def detokenize(tokenizer: PreTrainedTokenizerBase | Tokenizer, sequences: list[tuple[list[int], list[int]]],
+               skip_special_tokens: bool) -> list[str]:
+    """The whole output text of each (prompt token ids, output token ids): what
+    IncrementalDetokenizer gives at the end without stop strings. For requests that neither
+    stream nor look for stop strings, which finish many at a time: two batched decodes, which
+    the tokenizer runs in parallel."""
     backend = _backend(tokenizer)
-    context = _prompt_context(backend, prompt_token_ids, skip_special_tokens)
-    prefix = backend.decode(context, skip_special_tokens=skip_special_tokens)
-    text = backend.decode(context + output_token_ids, skip_special_tokens=skip_special_tokens)
-    if not text.startswith(prefix):  # a merge across the boundary: decode the output alone
-        return backend.decode(output_token_ids, skip_special_tokens=skip_special_tokens)
-    return text[len(prefix):]
+    contexts = [_prompt_context(backend, prompt, skip_special_tokens) for prompt, _ in sequences]
+    prefixes = backend.decode_batch(contexts, skip_special_tokens=skip_special_tokens)
+    texts = backend.decode_batch([context + output for context, (_, output) in zip(contexts, sequences)],
+                                 skip_special_tokens=skip_special_tokens)
+    # A merge across the prompt/output boundary changes the prefix: decode the output alone.
+    return [text[len(prefix):] if text.startswith(prefix)
+            else backend.decode(output, skip_special_tokens=skip_special_tokens)
+            for prefix, text, (_, output) in zip(prefixes, texts, sequences)]
 
 
 class IncrementalDetokenizer:

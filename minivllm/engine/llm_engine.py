@@ -212,6 +212,9 @@ class LLMEngine:
             # Offline requests only need their final output; streams get every delta.
             if self._check_stop(request, seq, token) or request.stream:
                 advanced[request.request_id] = request
+        finished = [request for request in advanced.values() if request.finished]
+        final_texts = self._final_texts([seq for request in finished for seq in request.seqs
+                                         if request.detokenizers[seq.index] is None])
         outputs = []
         for request in advanced.values():
             if request.finished:
@@ -219,7 +222,7 @@ class LLMEngine:
                 del self.requests[request.request_id]
             elif not request.stream:
                 continue
-            outputs.append(self._make_output(request))
+            outputs.append(self._make_output(request, final_texts))
         return outputs
 
     def _check_stop(self, request: Request, seq: Sequence, token: int) -> bool:
@@ -244,7 +247,9 @@ class LLMEngine:
         self.scheduler.finish(seq, finish_reason, stop_reason)
         return True
 
-    def _make_output(self, request: Request) -> RequestOutput:
+    def _make_output(self, request: Request, final_texts: dict[int, str]) -> RequestOutput:
+        """The request's output so far; final_texts: the text of each finished sequence
+        without a detokenizer of its own, by seq_id (_final_texts)."""
         completions = []
         for seq in request.seqs:
             detokenizer = request.detokenizers[seq.index]
@@ -254,7 +259,7 @@ class LLMEngine:
             if detokenizer is not None:
                 text = detokenizer.get_next_output_text(seq.is_finished, request.stream)
             else:
-                text = self._final_text(seq)
+                text = final_texts[seq.seq_id]
             logprobs = None
             if request.params.logprobs is not None:
                 logprobs = [{token: Logprob(value, rank, self._decode_token(token))
@@ -266,14 +271,27 @@ class LLMEngine:
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              request.finished, request.metrics, request.seqs[0].num_cached_tokens)
 
-    def _final_text(self, seq: Sequence) -> str:
+    def _final_texts(self, seqs: list[Sequence]) -> dict[int, str]:
+        """The whole output text of each of these finished sequences, by seq_id: decoded
+        together (detokenize), one batch per skip_special_tokens setting."""
         if self.tokenizer is None:
-            return ""
-        output_ids = seq.output_token_ids
+            return {seq.seq_id: "" for seq in seqs}
+        texts = {}
+        for skip in {seq.params.skip_special_tokens for seq in seqs}:
+            group = [seq for seq in seqs if seq.params.skip_special_tokens == skip]
+            decoded = detokenize(self.tokenizer, [(seq.prompt_token_ids, self._text_token_ids(seq)) for seq in group],
+                                 skip)
+            texts.update(zip((seq.seq_id for seq in group), decoded))
+        return texts
+
+    @staticmethod
+    def _text_token_ids(seq: Sequence) -> list[int]:
+        """The output tokens a finished sequence's text shows: as in vLLM, a stop token's
+        own text is left out unless include_stop_str_in_output."""
         stopped_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
         if stopped_by_token and not seq.params.include_stop_str_in_output:
-            output_ids = output_ids[:-1]  # as in vLLM, the stop token's text is left out
-        return detokenize(self.tokenizer, seq.prompt_token_ids, output_ids, seq.params.skip_special_tokens)
+            return seq.output_token_ids[:-1]
+        return seq.output_token_ids
 
     def _decode_token(self, token: int) -> str | None:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
