@@ -1,5 +1,6 @@
 """AttentionMetadata: one step's batch, flattened, as every attention backend sees it."""
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,3 +38,13 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    @functools.cached_property  # every layer asks, once per step is enough
+    def num_leading_decodes(self) -> int:
+        """Sequences with one new token at the front of the batch (a mixed step's decodes:
+        ScheduledBatch puts them first), from the host copy of query_start_loc; 0 without it."""
+        qsl = self.query_start_loc_cpu
+        if qsl is None:
+            return 0
+        num_seqs = len(qsl) - 1
+        return next((b for b in range(num_seqs) if qsl[b + 1] != b + 1), num_seqs)

@@ -98,9 +98,7 @@ class TritonAttentionBackend:
         # (Needs the host copy of query_start_loc; without it everything takes the mixed kernel.)
         num_seqs = meta.seq_lens.shape[0]
         qsl = meta.query_start_loc_cpu
-        num_decodes = 0
-        if qsl is not None:
-            num_decodes = next((b for b in range(num_seqs) if qsl[b + 1] != b + 1), num_seqs)
+        num_decodes = meta.num_leading_decodes
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if num_decodes > 0:
             self._decode(q[:num_decodes], k_cache, v_cache, meta.seq_lens[:num_decodes],
