@@ -31,6 +31,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from minivllm.kernels.pdl import pdl_enabled, wait_for_previous_kernel
+
 # Under Triton's interpreter (CPU tests) libdevice is unavailable; tl.exp is numpy's there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 FP8_E4M3_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -51,6 +53,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows per program (several when rows are short, e.g. per-head norms)
     BLOCK_H: tl.constexpr,  # HIDDEN rounded up to a power of two
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     dtype = x_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: N * stride may pass 2**31
@@ -58,6 +61,8 @@ def _rms_norm_kernel(
     col_mask = cols < HIDDEN
     mask = (rows < num_rows)[:, None] & col_mask[None, :]
     n, h = rows // INNER, rows % INNER
+    w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0)
+    wait_for_previous_kernel(PDL)
 
     x_offs = (n * stride_xn + h * stride_xh)[:, None] + cols[None, :]
     x = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
@@ -74,7 +79,6 @@ def _rms_norm_kernel(
     mean_sq = tl.math.div_rn(tl.sum(x32 * x32, axis=1), tl.full([BLOCK_M], HIDDEN, tl.float32))
     rstd = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tl.sqrt_rn(mean_sq + eps))
     normed = (x32 * rstd[:, None]).to(dtype)  # Hugging Face rounds before scaling by the weight
-    w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0)
     out = (w.to(tl.float32)[None, :] * normed.to(tl.float32)).to(dtype)
     tl.store(out_ptr + rows[:, None] * HIDDEN + cols[None, :], out, mask=mask)
 
@@ -123,7 +127,8 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
         x, residual if residual is not None else x, weight, out,
         num_rows, sxn, sxh, srn, srh, eps,
         INNER=inner, HIDDEN=hidden, HAS_RESIDUAL=residual is not None,
-        BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_H=block_h, PDL=pdl_enabled(x.device), launch_pdl=pdl_enabled(x.device),
+        num_warps=num_warps,
         enable_fp_fusion=False,  # torch rounds x*x before summing; an FMA would not
     )
     return out
@@ -235,6 +240,7 @@ def _qk_norm_rope_store_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     QK_NORM: tl.constexpr,
     FP8_CACHE: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     # One program per token: its cos/sin row is loaded once and serves all q and k heads;
     # q, k and v are each read once and q written once, k and v go straight to the cache.
@@ -250,6 +256,7 @@ def _qk_norm_rope_store_kernel(
     cos2 = tl.load(row + HALF + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
     sin1 = tl.load(row + stride_cs + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
     sin2 = tl.load(row + stride_cs + HALF + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    wait_for_previous_kernel(PDL)  # positions and cos/sin are the step's inputs; q, k, v are not
 
     q1, q2 = _load_halves(q_ptr + tok * stride_qn, stride_qh, NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF)
     if QK_NORM:
@@ -344,6 +351,7 @@ def qk_norm_rope_store(
         BLOCK_SIZE=k_cache.shape[1],
         QK_NORM=qk_norm,
         FP8_CACHE=k_cache.dtype == torch.float8_e4m3fn,
+        PDL=pdl_enabled(q.device), launch_pdl=pdl_enabled(q.device),
         num_warps=_qk_num_warps(block_hq, head_dim),
         enable_fp_fusion=False,  # keeps torch's separately rounded products (RoPE, norm)
     )
@@ -358,12 +366,14 @@ def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_xn, inter,
     BLOCK: tl.constexpr,
     ACCURATE_EXP: tl.constexpr,  # libdevice's expf (CUDA's, as torch uses) over tl.exp's ex2.approx
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     # Grid (rows, column blocks): even one decode token spreads over several SMs.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     dtype = out_ptr.dtype.element_ty
+    wait_for_previous_kernel(PDL)
     gate = tl.load(x_ptr + row * stride_xn + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_xn + inter + cols, mask=mask, other=0.0).to(tl.float32)
     # torch's silu: x / (1 + exp(-x)) in float32, rounded to the model dtype before `* up`.
@@ -392,5 +402,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block, num_warps = _silu_launch_config(inter)
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-        x, out, x.stride(0), inter, BLOCK=block, ACCURATE_EXP=not _INTERPRET, num_warps=num_warps)
+        x, out, x.stride(0), inter, BLOCK=block, ACCURATE_EXP=not _INTERPRET,
+        PDL=pdl_enabled(x.device), launch_pdl=pdl_enabled(x.device), num_warps=num_warps)
     return out

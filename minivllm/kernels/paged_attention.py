@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels import dot_precision, split_count
+from minivllm.kernels.pdl import pdl_enabled, wait_for_previous_kernel
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2 (exp2 is the native instruction)
 
@@ -169,6 +170,7 @@ def _mixed_attention_kernel(
     BLOCK_N: tl.constexpr,  # keys per inner step
     DOT_DTYPE: tl.constexpr,  # see dot_dtype()
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     # Tile rows are (query token, head of the GQA group) pairs: row r is token r // GQA_PAD,
     # head kv_head * GQA + r % GQA_PAD, so one K/V tile serves the whole group.
@@ -182,6 +184,7 @@ def _mixed_attention_kernel(
     # starting the longest work first evens out the tail of the launch.
     tile = tile_offset + tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
+    wait_for_previous_kernel(PDL)
 
     seq = _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
     q_begin = tl.load(query_start_loc_ptr + seq)
@@ -265,6 +268,7 @@ def _decode_split_kernel(
     MODE: tl.constexpr,  # DECODE_PLAIN, DECODE_SHARED_PREFIX or DECODE_OWN_KEYS
     DOT_DTYPE: tl.constexpr,  # see dot_dtype()
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     # Three uses of one kernel (they differ only in which query rows and keys a program has):
     # * DECODE_PLAIN: rows = the GQA group of sequence program_id(2) (padded to BLOCK_M),
@@ -309,6 +313,8 @@ def _decode_split_kernel(
     num_keys = tl.maximum(tl.minimum(kv_len - split * split_len, split_len), 0)
 
     offs_d = tl.arange(0, HEAD_DIM)
+    if MODE != 2:
+        wait_for_previous_kernel(PDL)
     q_offs = seq.to(tl.int64) * stride_qn + head * stride_qh  # [BLOCK_M]
     q = tl.load(q_ptr + q_offs[:, None] + offs_d[None, :], mask=row_valid[:, None], other=0.0)
     q = q.to(DOT_DTYPE)
@@ -334,6 +340,11 @@ def _decode_split_kernel(
     # and lse = -inf so the merge gives it no weight.
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if MODE == 2:
+        # The own-keys launch follows the prefix launch, which started only after the
+        # kernel that stored q and the new keys had finished (kernels/pdl.py): so it reads
+        # its keys while the prefix launch runs, and waits for it only to use its parts.
+        wait_for_previous_kernel(PDL)
     o_ptrs = out_ptr + (seq.to(tl.int64) * stride_on + head * stride_oh)[:, None] + offs_d[None, :]
     if num_parts == 1:
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
@@ -389,6 +400,7 @@ def _decode_reduce_kernel(
     num_parts,  # parts per (sequence, head): splits, or prefix + suffix splits
     HEAD_DIM: tl.constexpr,
     PARTS_PER_STEP: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     # One program per (sequence, query head): out = sum_s w_s * o_s / sum_s w_s with
     # w_s = 2 ** (lse_s - max lse): the parts' softmaxes rescaled to a common maximum.
@@ -402,6 +414,7 @@ def _decode_reduce_kernel(
     m = tl.full([], float("-inf"), tl.float32)
     den = tl.zeros([], tl.float32)
     acc = tl.zeros([HEAD_DIM], tl.float32)
+    wait_for_previous_kernel(PDL)
     for start in range(0, num_parts, PARTS_PER_STEP):
         valid = start + steps < num_parts
         part = first_part + start + steps
@@ -521,6 +534,8 @@ def paged_attention_mixed(
         BLOCK_N=cfg["BLOCK_N"],
         DOT_DTYPE=dot_dtype(q.dtype, k_cache.dtype),
         DOT_PRECISION=dot_precision(q.dtype),
+        PDL=pdl_enabled(q.device),
+        launch_pdl=pdl_enabled(q.device),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -668,6 +683,8 @@ def _launch_decode_split(
         MODE=mode,
         DOT_DTYPE=dot_dtype(q.dtype, k_cache.dtype),
         DOT_PRECISION=dot_precision(q.dtype),
+        PDL=pdl_enabled(q.device),
+        launch_pdl=pdl_enabled(q.device),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -682,6 +699,8 @@ def _launch_decode_reduce(part_out, part_lse, out, num_parts: int) -> None:
         num_parts,
         HEAD_DIM=head_dim,
         PARTS_PER_STEP=DECODE_MAX_SPLITS,  # a plain decode's parts in one step
+        PDL=pdl_enabled(out.device),
+        launch_pdl=pdl_enabled(out.device),
         num_warps=4,
     )
 

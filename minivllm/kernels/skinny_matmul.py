@@ -25,6 +25,7 @@ import triton.language as tl
 import triton.testing
 
 from minivllm.kernels import dot_precision, sm_count, split_count
+from minivllm.kernels.pdl import pdl_enabled, wait_for_previous_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ def _skinny_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     strip = tl.program_id(0)
     split = tl.program_id(1)
@@ -66,6 +68,7 @@ def _skinny_matmul_kernel(
     x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_begin + offs_k)[None, :]
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + (k_begin + offs_k)[None, :]  # int64: N * K may pass 2**31
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    wait_for_previous_kernel(PDL)
     for k in range(k_begin, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
@@ -178,6 +181,8 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"],
         DOT_PRECISION=dot_precision(x.dtype),
+        PDL=pdl_enabled(x.device),
+        launch_pdl=pdl_enabled(x.device),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
