@@ -1,0 +1,140 @@
+"""Compile the engine's Triton kernels for an H100/H200 (sm_90) on a machine without a GPU.
+
+Triton's interpreter (the CPU tests) runs kernels as Python, so it misses what only the
+compiler sees: a name set inside a runtime `if` and used after it, an unsupported op, an
+inline-asm constraint, register spills. This script calls the host wrappers with CPU
+tensors of Qwen3-0.6B's shapes, catches each launch instead of running it (the arguments,
+constexprs and options it would compile with, PDL on as on a Hopper GPU), and compiles it
+with Triton's own compiler and ptxas for sm_90. Prints one line per launch: the kernel, its
+registers and stack bytes (a stack means spills). Exit status 1 if any launch fails to compile.
+
+    python -m tests.kernel_compile_check
+
+Runs without TRITON_INTERPRET (under it, kernels are not compiled at all).
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+assert os.environ.get("TRITON_INTERPRET") != "1", "run without TRITON_INTERPRET=1: it skips compilation"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+Launch = tuple[str, JITFunction, tuple, dict[str, Any]]
+
+
+def capture_launches(calls: dict[str, Callable[[], Any]]) -> list[Launch]:
+    """Run each host call with kernel launches caught, not run: (label, kernel, args, kwargs)."""
+    launches: list[Launch] = []
+    label = ""
+
+    def caught(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        launches.append((label, self, args, kwargs))
+
+    original = JITFunction.run
+    JITFunction.run = caught
+    try:
+        for label, call in calls.items():
+            call()
+    finally:
+        JITFunction.run = original
+    return launches
+
+
+def compile_launch(kernel: JITFunction, args: tuple, kwargs: dict[str, Any]) -> dict[str, bytes | str]:
+    """Compile one caught launch for sm_90 as JITFunction.run would on the GPU (the same
+    specialisation: types, constexprs, 16-byte alignment and divisibility of the arguments;
+    Triton 3.6's own helpers); returns its assembly (ptx, cubin, ...)."""
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = kwargs | {"debug": bool(kernel.debug)}
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
+                          options=options.__dict__).asm
+
+
+def resource_usage(cubin: bytes) -> str:
+    """cuobjdump's resource line (REG, STACK, ...) for a cubin, with Triton's copy of the tool."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    lines = [line.strip() for line in out.splitlines() if "REG:" in line]
+    return " ".join(lines[0].split()[:3]) if lines else "(no resource line)"
+
+
+def engine_calls() -> dict[str, Callable[[], Any]]:
+    """The host calls of a Qwen3-0.6B step (bf16; a bf16 and an FP8 KV cache), with PDL on."""
+    from minivllm.kernels import fused_ops, paged_attention, sampling, skinny_matmul
+
+    for module in (fused_ops, paged_attention, skinny_matmul):
+        module.pdl_enabled = lambda device: True  # as on a Hopper GPU
+    bf16, hq, hkv, d, block_size, hidden, inter = torch.bfloat16, 16, 8, 128, 16, 1024, 3072
+    num_blocks, num_seqs = 64, 4
+    seq_lens = torch.tensor([40, 300, 17, 129], dtype=torch.int32)
+    block_tables = torch.arange(num_seqs * 20, dtype=torch.int32).reshape(num_seqs, 20) % num_blocks
+    qsl = torch.tensor([0, 1, 2, 20, 45], dtype=torch.int32)
+    positions = torch.arange(45)
+    cos_sin = torch.zeros(4096, 2, d)
+    calls: dict[str, Callable[[], Any]] = {}
+    for cache_name, cache_dtype in (("bf16 cache", bf16), ("fp8 cache", torch.float8_e4m3fn)):
+        k_cache = torch.zeros(num_blocks, block_size, hkv, d, dtype=cache_dtype)
+        v_cache = torch.zeros_like(k_cache)
+        q = torch.zeros(45, hq, d, dtype=bf16)
+        qkv = torch.zeros(45, (hq + 2 * hkv) * d, dtype=bf16)
+        q_view, k_view, v_view = (t.view(45, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+        norm_w = torch.ones(d, dtype=bf16)
+        calls[f"qk_norm_rope_store, {cache_name}"] = lambda q_view=q_view, k_view=k_view, v_view=v_view, \
+            k_cache=k_cache, v_cache=v_cache, norm_w=norm_w: fused_ops.qk_norm_rope_store(
+                positions, q_view, k_view, v_view, cos_sin, k_cache, v_cache, positions, norm_w, norm_w, 1e-6)
+        calls[f"mixed attention, {cache_name}"] = lambda q=q, k_cache=k_cache, v_cache=v_cache: \
+            paged_attention.paged_attention_mixed(q, k_cache, v_cache, qsl, seq_lens, block_tables, 0.088,
+                                                  first_seq=2, first_token=2)
+        decode_q = torch.zeros(num_seqs, hq, d, dtype=bf16)
+        for splits in (1, 4):
+            calls[f"decode, {splits} splits, {cache_name}"] = lambda decode_q=decode_q, k_cache=k_cache, \
+                v_cache=v_cache, splits=splits: paged_attention.paged_attention_decode(
+                    decode_q, k_cache, v_cache, seq_lens, block_tables, 0.088, splits)
+        calls[f"cascade decode, {cache_name}"] = lambda decode_q=decode_q, k_cache=k_cache, v_cache=v_cache: \
+            paged_attention.paged_attention_decode_shared_prefix(
+                decode_q, k_cache, v_cache, seq_lens, block_tables, torch.ones(1, dtype=torch.int32), 0.088,
+                prefix_splits=2, suffix_splits=2)
+    x = torch.zeros(4, hidden, dtype=bf16)
+    w_hidden = torch.ones(hidden, dtype=bf16)
+    calls["rms_norm"] = lambda: fused_ops.rms_norm(x, w_hidden, 1e-6)
+    calls["add_rms_norm"] = lambda: fused_ops.add_rms_norm(x, x.clone(), w_hidden, 1e-6)
+    calls["silu_and_mul"] = lambda: fused_ops.silu_and_mul(torch.zeros(4, 2 * inter, dtype=bf16))
+    for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)):  # qkv, o, gate_up, down
+        calls[f"skinny_matmul {n}x{k}"] = lambda n=n, k=k: skinny_matmul.skinny_matmul(
+            torch.zeros(1, k, dtype=bf16), torch.zeros(n, k, dtype=bf16))
+    calls["gumbel_max_sample"] = lambda: sampling.gumbel_max_sample(
+        torch.zeros(4, 151936, dtype=bf16), torch.zeros(4, dtype=torch.int64), torch.ones(4))
+    return calls
+
+
+def main() -> int:
+    failures = 0
+    for label, kernel, args, kwargs in capture_launches(engine_calls()):
+        try:
+            usage = resource_usage(compile_launch(kernel, args, kwargs)["cubin"])
+            print(f"ok    {label}: {kernel.fn.__name__} {usage}")
+        except Exception as error:  # noqa: BLE001 - every failure is reported, then counted
+            failures += 1
+            print(f"FAIL  {label}: {kernel.fn.__name__}: {type(error).__name__}: {str(error)[:2000]}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
