@@ -81,6 +81,7 @@ def engine_calls() -> dict[str, Callable[[], Any]]:
 
     for module in (fused_ops, paged_attention, skinny_matmul):
         module.pdl_enabled = lambda device: True  # as on a Hopper GPU
+    skinny_matmul.sm_count = lambda device: 132  # an H100/H200's: split-K where the GPU would split
     bf16, hq, hkv, d, block_size, hidden, inter = torch.bfloat16, 16, 8, 128, 16, 1024, 3072
     num_blocks, num_seqs = 64, 4
     seq_lens = torch.tensor([40, 300, 17, 129], dtype=torch.int32)
