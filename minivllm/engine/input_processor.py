@@ -6,10 +6,8 @@ state changes.
 """
 
 import os
-from array import array
 from numbers import Integral
 
-import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from minivllm.config import EngineConfig
@@ -51,9 +49,9 @@ class InputProcessor:
         """(prompt text or None, prompt token ids). Raises ValueError on bad input."""
         prompt_text, prompt_token_ids = self._tokenize(prompt)
         self._validate(prompt_token_ids, params)
-        return prompt_text, prompt_token_ids.tolist()
+        return prompt_text, prompt_token_ids
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, array]:
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
@@ -64,13 +62,13 @@ class InputProcessor:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("skip_tokenizer_init=True: pass prompts as {'prompt_token_ids': [...]}.")
-            return prompt, array("q", self.tokenizer.encode(prompt))
+            return prompt, self.tokenizer.encode(prompt)
         if is_token_ids(prompt):
             return None, _token_ids(prompt)
         raise ValueError(f"Unsupported prompt type {type(prompt).__name__}: pass a string, a list of "
                          "token ids, or {'prompt_token_ids': [...]}.")
 
-    def _validate(self, prompt_token_ids: array, params: SamplingParams) -> None:
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         max_len = self.config.max_model_len
         if not prompt_token_ids:
             raise ValueError("The prompt is empty: give at least one token.")
@@ -79,10 +77,9 @@ class InputProcessor:
                 f"The prompt has {len(prompt_token_ids)} tokens but max_model_len is {max_len}, which must "
                 "also leave room for at least one generated token: shorten the prompt or raise max_model_len.")
         vocab_size = self.vocab_size
-        ids = np.frombuffer(prompt_token_ids, dtype=np.int64)  # no copy
-        if ids.min() < 0 or ids.max() >= vocab_size:
-            bad = ids[(ids < 0) | (ids >= vocab_size)][:5].tolist()
-            raise ValueError(f"Prompt token ids {bad} are outside the vocabulary [0, {vocab_size}).")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:  # at C speed: the common case
+            bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+            raise ValueError(f"Prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size}).")
         if params.logprobs is not None and params.logprobs > vocab_size:
             raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab_size}.")
         bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
@@ -109,18 +106,13 @@ def _is_token_id(value: object) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
-def _token_ids(values: object) -> array:
-    """A prompt's token ids as an int64 array, converted at C speed (the server runs this on
-    its event loop, and a long prompt has thousands): ints, numpy's and torch's integers
-    included (and bools, which Python counts as ints); anything else is the caller's mistake."""
+def _token_ids(values: object) -> list[int]:
+    """A prompt's token ids as a list of plain ints; anything else is the caller's mistake."""
     if hasattr(values, "ndim") and hasattr(values, "tolist"):
         values = values.tolist()
-    if isinstance(values, (list, tuple)):
-        try:
-            return array("q", values)
-        except TypeError:  # a float, a string, None, ...
-            pass
-        except OverflowError:
-            raise ValueError("Prompt token ids must be vocabulary indices: some do not even fit in "
-                             "64 bits.") from None
-    raise ValueError("prompt_token_ids must be a list of integers.")
+    # The common case, plain ints, checked at C speed (the server runs this on its event loop).
+    if isinstance(values, (list, tuple)) and set(map(type, values)) <= {int}:
+        return list(values)
+    if not isinstance(values, (list, tuple)) or not all(_is_token_id(t) for t in values):
+        raise ValueError("prompt_token_ids must be a list of integers.")
+    return [int(t) for t in values]
