@@ -76,8 +76,9 @@ def resource_usage(cubin: bytes) -> str:
 
 
 def engine_calls() -> dict[str, Callable[[], Any]]:
-    """The host calls of a Qwen3-0.6B step (bf16; a bf16 and an FP8 KV cache), with PDL on."""
-    from minivllm.kernels import fused_ops, paged_attention, sampling, skinny_matmul
+    """The host calls of a Qwen3-0.6B step (bf16; a bf16 and an FP8 KV cache), with PDL on, and
+    of Qwen3-30B-A3B's experts."""
+    from minivllm.kernels import fused_moe, fused_ops, paged_attention, sampling, skinny_matmul
 
     for module in (fused_ops, paged_attention, skinny_matmul):
         module.pdl_enabled = lambda device: True  # as on a Hopper GPU
@@ -120,6 +121,11 @@ def engine_calls() -> dict[str, Callable[[], Any]]:
     for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)):  # qkv, o, gate_up, down
         calls[f"skinny_matmul {n}x{k}"] = lambda n=n, k=k: skinny_matmul.skinny_matmul(
             torch.zeros(1, k, dtype=bf16), torch.zeros(n, k, dtype=bf16))
+    experts, top_k, moe_inter = 16, 4, 768  # Qwen3-30B-A3B's expert shapes (fewer experts)
+    calls["fused_moe (Qwen3-30B-A3B experts)"] = lambda: fused_moe.fused_moe(
+        torch.zeros(4, 2048, dtype=bf16), torch.zeros(experts, 2 * moe_inter, 2048, dtype=bf16),
+        torch.zeros(experts, 2048, moe_inter, dtype=bf16), torch.ones(4, top_k),
+        torch.zeros(4, top_k, dtype=torch.int32))
     calls["gumbel_max_sample"] = lambda: sampling.gumbel_max_sample(
         torch.zeros(4, 151936, dtype=bf16), torch.zeros(4, dtype=torch.int64), torch.ones(4))
     return calls
