@@ -134,3 +134,28 @@ def test_padded_steps_compute_what_unpadded_steps_do(model_dir: str, few_seqs: i
     assert shapes == [(16, rows), (32, rows), (4, 4)]
     # Decodes at the front of a mixed step run eagerly, through the split-KV decode kernel.
     assert graphs.padded_shape([1, 5]) is None and graphs.padded_shape([7, 2050]) is None
+
+
+def test_small_batch_linear_kernel_in_the_engine_matches_hf(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every linear layer routed to skinny_matmul, as choose_small_batch_kernels routes the
+    weights where it beats cuBLAS on a GPU: decode steps of up to ROUTED_ROWS sequences take
+    it (prompt steps have more rows and keep F.linear), and the tokens still match HF."""
+    from minivllm.kernels import skinny_matmul
+    from minivllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    rows_seen: list[int] = []
+    real = skinny_matmul.skinny_matmul
+
+    def spy(x, *args, **kwargs):  # noqa: ANN001, ANN202
+        rows_seen.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(skinny_matmul, "skinny_matmul", spy)
+    llm = LLM(model_dir, dtype="float32", max_model_len=64, block_size=8, kernels="triton")
+    for module in llm.llm_engine.model_runner.model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module.use_skinny = True
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 700) for _ in range(n)] for n in (3, 11, 6)]
+    assert greedy_outputs(llm, prompts, 5) == [hf_greedy(model_dir, p, 5)[0] for p in prompts]
+    assert rows_seen and max(rows_seen) <= skinny_matmul.ROUTED_ROWS
