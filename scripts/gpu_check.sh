@@ -29,6 +29,10 @@
 # Environment: OUT (logs; default /tmp/gpu_check), BENCH_ARGS (extra arguments for every
 # benchmark, e.g. "--enforce-eager"), STEP_TIMEOUT (seconds per step, default 480),
 # MINIVLLM_COMMIT (recorded in results.jsonl; pass it: the device machine's .git can be stale).
+# A/B in one call: AB_BASE=<dir> (a copy of another commit's minivllm/ and benchmarks/, e.g.
+# `mkdir .main && git archive main minivllm benchmarks | tar -x -C .main`, carried) runs each
+# benchmark step from that copy first (step name <name>_base; AB_BASE_COMMIT recorded for it),
+# then from this tree.
 # Every benchmark appends one JSON line to $OUT/results.jsonl; each step's output goes
 # to $OUT/<step>.log (tests: $OUT/gpu_tests.log); $OUT/summary.txt lists each step's
 # exit status and seconds; $OUT/env.txt has nvidia-smi and package versions.
@@ -67,9 +71,16 @@ run_step() {
     return 0
 }
 
-bench() {  # bench NAME SCRIPT ARGS...: a benchmark with the shared arguments
+bench() {  # bench NAME SCRIPT ARGS...: a benchmark with the shared arguments (twice with AB_BASE)
     local name="$1" script="$2"; shift 2
-    # shellcheck disable=SC2086  # BENCH_ARGS is a word list on purpose
+    if [[ -n "${AB_BASE:-}" ]]; then
+        pushd "$AB_BASE" > /dev/null || { echo "AB_BASE $AB_BASE: no such directory"; failed=1; return 0; }
+        # shellcheck disable=SC2086  # BENCH_ARGS is a word list on purpose
+        MINIVLLM_COMMIT="${AB_BASE_COMMIT:-$AB_BASE}" run_step "${name}_base" \
+            python3 -m "benchmarks.${script%.py}" "$@" --json-out "$RESULTS" $BENCH_ARGS
+        popd > /dev/null || exit 1
+    fi
+    # shellcheck disable=SC2086
     run_step "$name" python3 -m "benchmarks.${script%.py}" "$@" --json-out "$RESULTS" $BENCH_ARGS
 }
 
