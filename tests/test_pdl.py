@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from minivllm.kernels import fused_ops
+from minivllm.kernels import skinny_matmul as skinny_module
 from minivllm.kernels.pdl import pdl_enabled
 from minivllm.kernels.skinny_matmul import skinny_matmul
 from tests.conftest import requires_cuda
@@ -16,11 +17,11 @@ def test_pdl_off_on_cpu():
 
 @pytest.mark.gpu
 @requires_cuda
-def test_gpu_dependent_chain_graphed_equals_eager():
+def test_gpu_dependent_chain_graphed_equals_eager(monkeypatch: pytest.MonkeyPatch):
     """Twenty layers' worth of norm -> matmul -> activation -> matmul, each kernel reading the
     one before it (and the residual written three kernels back): any kernel that ran ahead of
     its wait would change the result. Replayed on fresh inputs, the graph must give what the
-    eager chain gives, bit for bit."""
+    eager chain gives, bit for bit, and both what the same kernels give launched without PDL."""
     device = torch.device("cuda")
     if torch.cuda.get_device_capability(device)[0] >= 9:
         assert pdl_enabled(device)
@@ -51,8 +52,15 @@ def test_gpu_dependent_chain_graphed_equals_eager():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         graphed_out = chain()
+    results = []
     for seed in range(2, 7):
         fresh_inputs(seed)
         want = chain().clone()
         graph.replay()
         assert torch.equal(graphed_out, want), seed
+        results.append(want)
+    for module in (fused_ops, skinny_module):
+        monkeypatch.setattr(module, "pdl_enabled", lambda device: False)
+    for seed, want in zip(range(2, 7), results):
+        fresh_inputs(seed)
+        assert torch.equal(chain(), want), seed
