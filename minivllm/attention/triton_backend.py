@@ -17,10 +17,9 @@ read on the device, split counts follow meta.max_seq_len.
 """
 
 import torch
-import triton
 
 from minivllm.attention.metadata import AttentionMetadata
-from minivllm.kernels import sm_count
+from minivllm.kernels import cdiv, next_power_of_2, sm_count
 from minivllm.kernels.paged_attention import (
     DECODE_MAX_SPLITS,
     decode_num_splits,
@@ -74,7 +73,7 @@ class TritonAttentionBackend:
             gqa = num_q_heads // num_kv_heads
             rows = max(
                 b * (decode_num_splits(b, num_kv_heads, 1 << 30, num_sms, max_splits)
-                     + shared_prefix_num_splits(triton.cdiv(b * gqa, 128), num_kv_heads, 1 << 30, num_sms,
+                     + shared_prefix_num_splits(cdiv(b * gqa, 128), num_kv_heads, 1 << 30, num_sms,
                                                 max_splits))
                 for b in range(1, max_num_seqs + 1)
             ) * num_q_heads
@@ -136,7 +135,7 @@ class TritonAttentionBackend:
         num_sms = self._sm_count(q.device)
         num_rows = num_seqs * (num_q_heads // num_kv_heads)  # (sequence, head) rows per KV head
         prefix_cfg = shared_prefix_config(head_dim, q.dtype, num_rows)
-        num_row_tiles = triton.cdiv(num_rows, prefix_cfg["BLOCK_M"])
+        num_row_tiles = cdiv(num_rows, prefix_cfg["BLOCK_M"])
         prefix_splits = shared_prefix_num_splits(num_row_tiles, num_kv_heads, max_seq_len, num_sms,
                                                  self.max_splits)
         suffix_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms, self.max_splits)
@@ -192,5 +191,5 @@ class TritonAttentionBackend:
                     f"split-KV decode workspace too small ({rows} rows x {head_dim} needed) "
                     "during CUDA graph capture: construct TritonAttentionBackend with "
                     "num_q_heads, num_kv_heads, head_dim and max_num_seqs")
-            self._alloc_workspace(triton.next_power_of_2(rows), head_dim, device)
+            self._alloc_workspace(next_power_of_2(rows), head_dim, device)
         return self._part_out, self._part_lse

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels import dot_precision
+from minivllm.kernels import cdiv, dot_precision, next_power_of_2
 
 # Tiles by batch size: the first entry whose bound is >= T (the number of tokens), for
 # Qwen3-30B-A3B on an H200 (E=128, H=2048, I=768, k=8, bf16); `python -m
@@ -110,18 +110,18 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int,
     CUDA graph.
     """
     num_slots = topk_ids.numel()
-    blocks = triton.cdiv(num_slots + min(num_slots, num_experts) * (block_m - 1), block_m)
+    blocks = cdiv(num_slots + min(num_slots, num_experts) * (block_m - 1), block_m)
     device = topk_ids.device
     sorted_slots = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     expert_ids = torch.empty(blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     # Big chunks for prefill (fewer loop steps), small ones for decode (less masked work).
-    chunk = min(1024, max(128, triton.next_power_of_2(num_slots)))
+    chunk = min(1024, max(128, next_power_of_2(num_slots)))
     _moe_align_kernel[(num_experts,)](
         topk_ids.reshape(-1), sorted_slots, expert_ids, num_padded, num_slots,
         BLOCK_M=block_m,
         # tl.histogram wants at least one bin per lane of a warp.
-        NUM_BINS=max(32, triton.next_power_of_2(num_experts)),
+        NUM_BINS=max(32, next_power_of_2(num_experts)),
         CHUNK=chunk,
         num_warps=8 if chunk >= 1024 else 4,
     )
@@ -197,7 +197,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, route: to
     sorted_slots, expert_ids, num_padded = align
     n, k = out.shape[1], a.shape[1]
     num_blocks_m = expert_ids.numel()
-    grid = (num_blocks_m * triton.cdiv(n, cfg["BLOCK_N"]),)
+    grid = (num_blocks_m * cdiv(n, cfg["BLOCK_N"]),)
     _grouped_gemm_kernel[grid](
         a, w, out, route, sorted_slots, expert_ids, num_padded,
         out.shape[0], num_blocks_m, n, k,

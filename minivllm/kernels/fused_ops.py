@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from minivllm.kernels import cdiv, next_power_of_2
 from minivllm.kernels.pdl import pdl_enabled, wait_for_previous_kernel
 
 # Under Triton's interpreter (CPU tests) libdevice is unavailable; tl.exp is numpy's there.
@@ -89,8 +90,8 @@ def _norm_launch_config(hidden: int, num_rows: int) -> tuple[int, int, int]:
     Rows shorter than 1024 are batched so that a program still moves a few KB (per-head
     norms have head_dim 128); wide rows get more warps so each thread keeps few registers.
     """
-    block_h = triton.next_power_of_2(hidden)
-    block_m = min(max(1, 1024 // block_h), triton.next_power_of_2(num_rows))
+    block_h = next_power_of_2(hidden)
+    block_m = min(max(1, 1024 // block_h), next_power_of_2(num_rows))
     elems = block_m * block_h
     num_warps = 4 if elems < 2048 else 8 if elems < 8192 else 16
     return block_m, block_h, num_warps
@@ -123,7 +124,7 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
     if num_rows == 0:
         return out
     block_m, block_h, num_warps = _norm_launch_config(hidden, num_rows)
-    _rms_norm_kernel[(triton.cdiv(num_rows, block_m),)](
+    _rms_norm_kernel[(cdiv(num_rows, block_m),)](
         x, residual if residual is not None else x, weight, out,
         num_rows, sxn, sxh, srn, srh, eps,
         INNER=inner, HIDDEN=hidden, HAS_RESIDUAL=residual is not None,
@@ -336,7 +337,7 @@ def qk_norm_rope_store(
     if num_tokens == 0:
         return q
     half = head_dim // 2
-    block_hq = triton.next_power_of_2(num_q_heads)
+    block_hq = next_power_of_2(num_q_heads)
     _qk_norm_rope_store_kernel[(num_tokens,)](
         positions, q, k, v, cos_sin,
         q_norm_weight if qk_norm else q, k_norm_weight if qk_norm else q,  # (placeholders without norms)
@@ -346,8 +347,8 @@ def qk_norm_rope_store(
         cos_sin.stride(0), cos_sin.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-        BLOCK_HQ=block_hq, BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+        HALF=half, BLOCK_HALF=next_power_of_2(half),
+        BLOCK_HQ=block_hq, BLOCK_HKV=next_power_of_2(num_kv_heads),
         BLOCK_SIZE=k_cache.shape[1],
         QK_NORM=qk_norm,
         FP8_CACHE=k_cache.dtype == torch.float8_e4m3fn,
@@ -388,7 +389,7 @@ def _silu_and_mul_kernel(
 def _silu_launch_config(inter: int) -> tuple[int, int]:
     """(BLOCK, num_warps): 1024 columns at 4 warps = 8 bf16 per thread, one 16-byte load per
     operand; I = 3072 then gives 3 programs per token, so even small batches fill the SMs."""
-    return min(1024, triton.next_power_of_2(inter)), 4
+    return min(1024, next_power_of_2(inter)), 4
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -401,7 +402,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if num_tokens == 0 or inter == 0:
         return out
     block, num_warps = _silu_launch_config(inter)
-    _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+    _silu_and_mul_kernel[(num_tokens, cdiv(inter, block))](
         x, out, x.stride(0), inter, BLOCK=block, ACCURATE_EXP=not _INTERPRET,
         PDL=pdl_enabled(x.device), launch_pdl=pdl_enabled(x.device), num_warps=num_warps)
     return out

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels import dot_precision, split_count
+from minivllm.kernels import cdiv, dot_precision, next_power_of_2, split_count
 from minivllm.kernels.pdl import pdl_enabled, wait_for_previous_kernel
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2 (exp2 is the native instruction)
@@ -464,7 +464,7 @@ def mixed_config(head_dim: int, dtype: torch.dtype, gqa: int) -> dict:
     stay under the H100/H200's 227 KB. The bf16/fp16 D <= 128 tiles were tuned on an
     8192-token causal prompt (bf16, D=128) on an H200.
     """
-    elt = torch.empty((), dtype=dtype).element_size()
+    elt = dtype.itemsize
     row_bytes = head_dim * elt
     if elt == 2 and head_dim <= 128:  # bf16/fp16, D <= 128: 164 KB at D=128
         block_m, block_n, warps, stages = 128, 128, 8, 2
@@ -472,7 +472,7 @@ def mixed_config(head_dim: int, dtype: torch.dtype, gqa: int) -> dict:
         block_m, block_n, warps, stages = 64, 32, 4, 2
     else:  # fp32 D=256
         block_m, block_n, warps, stages = 32, 16, 4, 2
-    gqa_pad = triton.next_power_of_2(gqa)
+    gqa_pad = next_power_of_2(gqa)
     block_q = max(1, block_m // gqa_pad)
     return dict(BLOCK_Q=block_q, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
@@ -527,7 +527,7 @@ def paged_attention_mixed(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         GQA=gqa,
-        GQA_PAD=triton.next_power_of_2(gqa),
+        GQA_PAD=next_power_of_2(gqa),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
@@ -556,7 +556,7 @@ def decode_config(head_dim: int, dtype: torch.dtype) -> dict:
 
     Tuned for bf16 D=128 on an H200 (256 sequences of ~1,000 tokens); the wider rows keep
     about the same bytes per K/V tile."""
-    row_bytes = head_dim * torch.empty((), dtype=dtype).element_size()
+    row_bytes = head_dim * dtype.itemsize
     if row_bytes <= 256:
         return dict(BLOCK_N=64, num_warps=4, num_stages=3)
     if row_bytes <= 512:
@@ -657,9 +657,9 @@ def _launch_decode_split(
     gqa = num_q_heads // num_kv_heads
     if mode == DECODE_SHARED_PREFIX:  # tiles of BLOCK_M (sequence, head) rows over all sequences
         block_m = cfg["BLOCK_M"]
-        num_row_tiles = triton.cdiv(num_seqs * gqa, block_m)
+        num_row_tiles = cdiv(num_seqs * gqa, block_m)
     else:  # one sequence's GQA group per program, padded to a power of two >= 16 (tl.dot's M)
-        block_m = max(16, triton.next_power_of_2(gqa))
+        block_m = max(16, next_power_of_2(gqa))
         num_row_tiles = num_seqs
     _decode_split_kernel[(num_kv_heads, num_splits, num_row_tiles)](
         q, k_cache, v_cache, out, part_out, part_lse,
@@ -720,7 +720,7 @@ def shared_prefix_config(head_dim: int, dtype: torch.dtype, num_rows: int) -> di
     """Tiles for the shared-prefix launch: the mixed kernel's (the same many-rows x keys
     work), with BLOCK_M cut down to the rows there are (num_rows = B * GQA per KV head)."""
     cfg = mixed_config(head_dim, dtype, 1)  # GQA 1: BLOCK_Q is then the whole row tile
-    block_m = min(cfg["BLOCK_Q"], max(16, triton.next_power_of_2(num_rows)))
+    block_m = min(cfg["BLOCK_Q"], max(16, next_power_of_2(num_rows)))
     return {"BLOCK_M": block_m, "BLOCK_N": cfg["BLOCK_N"], "num_warps": cfg["num_warps"],
             "num_stages": cfg["num_stages"]}
 

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from minivllm.kernels import sm_count, split_count
+from minivllm.kernels import cdiv, next_power_of_2, sm_count, split_count
 
 _BLOCK = 2048  # tokens per loop iteration: 16 per thread with 4 warps, several loads in flight
 _NUM_WARPS = 4
@@ -144,7 +144,7 @@ def _launch_config(num_rows: int, vocab_size: int, device: torch.device) -> tupl
     batches (B = 1 would read at one SM's bandwidth), so each row's vocabulary is split
     until the launch has _PROGRAMS_PER_SM programs per SM, but no split under
     _MIN_TOKENS_PER_SPLIT tokens. Depends on host integers only."""
-    block = min(_BLOCK, max(16, triton.next_power_of_2(vocab_size)))
+    block = min(_BLOCK, max(16, next_power_of_2(vocab_size)))
     num_splits = split_count(_PROGRAMS_PER_SM * sm_count(device), num_rows, vocab_size,
                              max(block, _MIN_TOKENS_PER_SPLIT))
     return block, num_splits, _NUM_WARPS
@@ -170,8 +170,8 @@ def gumbel_max_sample(logits: torch.Tensor, seeds: torch.Tensor,
     if num_rows == 0:
         return out
     block, num_splits, num_warps = _launch_config(num_rows, vocab_size, device)
-    split_len = triton.cdiv(triton.cdiv(vocab_size, num_splits), block) * block
-    num_splits = triton.cdiv(vocab_size, split_len)  # rounding split_len up may leave fewer
+    split_len = cdiv(cdiv(vocab_size, num_splits), block) * block
+    num_splits = cdiv(vocab_size, split_len)  # rounding split_len up may leave fewer
     maxima = torch.empty(num_rows, num_splits, dtype=torch.float32, device=device)
     argmax = out.view(num_rows, 1) if num_splits == 1 else torch.empty(
         num_rows, num_splits, dtype=torch.int64, device=device)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from minivllm.kernels import dot_precision, sm_count, split_count
+from minivllm.kernels import cdiv, dot_precision, sm_count, split_count
 from minivllm.kernels.pdl import pdl_enabled, wait_for_previous_kernel
 
 logger = logging.getLogger(__name__)
@@ -119,11 +119,11 @@ def skinny_matmul_config(dtype: torch.dtype, n: int, k: int, device: torch.devic
     --sweep times other tiles and split counts. The returned dict is shared: read it, don't
     change it."""
     block_n, block_k = 16, 256 if dtype.itemsize == 2 else 128
-    split_k = split_count(PROGRAMS_PER_SM * sm_count(device), triton.cdiv(n, block_n), k,
+    split_k = split_count(PROGRAMS_PER_SM * sm_count(device), cdiv(n, block_n), k,
                           max(MIN_K_PER_SPLIT, block_k), MAX_SPLIT_K)
     # Whole tiles per split: drop splits that rounding would leave empty.
-    k_tiles = triton.cdiv(k, block_k)
-    split_k = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split_k))
+    k_tiles = cdiv(k, block_k)
+    split_k = cdiv(k_tiles, cdiv(k_tiles, split_k))
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=4)
 
 
@@ -166,7 +166,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if num_rows == 0 or n == 0:
         return out
     cfg = skinny_matmul_config(x.dtype, n, k, x.device) if config is None else config
-    strips, split_k = triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"]
+    strips, split_k = cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"]
     part = count = out  # placeholders when SPLIT_K == 1 (never touched)
     if split_k > 1:
         part, count = _split_k_workspace(x.device, n, split_k, strips)
