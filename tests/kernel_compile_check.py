@@ -78,10 +78,9 @@ def resource_usage(cubin: bytes) -> str:
 def engine_calls() -> dict[str, Callable[[], Any]]:
     """The host calls of a Qwen3-0.6B step (bf16; a bf16 and an FP8 KV cache), with PDL on, and
     of Qwen3-30B-A3B's experts."""
-    from minivllm.kernels import fused_moe, fused_ops, paged_attention, sampling, skinny_matmul
+    from minivllm.kernels import fused_moe, fused_ops, paged_attention, pdl, sampling, skinny_matmul
 
-    for module in (fused_ops, paged_attention, skinny_matmul):
-        module.pdl_enabled = lambda device: True  # as on a Hopper GPU
+    pdl.pdl_enabled = lambda device: True  # as on a Hopper GPU
     skinny_matmul.sm_count = lambda device: 132  # an H100/H200's: split-K where the GPU would split
     bf16, hq, hkv, d, block_size, hidden, inter = torch.bfloat16, 16, 8, 128, 16, 1024, 3072
     num_blocks, num_seqs = 64, 4

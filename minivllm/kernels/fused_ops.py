@@ -32,7 +32,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from minivllm.kernels import cdiv, next_power_of_2
-from minivllm.kernels.pdl import pdl_enabled, wait_for_previous_kernel
+from minivllm.kernels.pdl import pdl_options, wait_for_previous_kernel
 
 # Under Triton's interpreter (CPU tests) libdevice is unavailable; tl.exp is numpy's there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -128,7 +128,7 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
         x, residual if residual is not None else x, weight, out,
         num_rows, sxn, sxh, srn, srh, eps,
         INNER=inner, HIDDEN=hidden, HAS_RESIDUAL=residual is not None,
-        BLOCK_M=block_m, BLOCK_H=block_h, PDL=pdl_enabled(x.device), launch_pdl=pdl_enabled(x.device),
+        BLOCK_M=block_m, BLOCK_H=block_h, **pdl_options(x.device),
         num_warps=num_warps,
         enable_fp_fusion=False,  # torch rounds x*x before summing; an FMA would not
     )
@@ -352,7 +352,7 @@ def qk_norm_rope_store(
         BLOCK_SIZE=k_cache.shape[1],
         QK_NORM=qk_norm,
         FP8_CACHE=k_cache.dtype == torch.float8_e4m3fn,
-        PDL=pdl_enabled(q.device), launch_pdl=pdl_enabled(q.device),
+        **pdl_options(q.device),
         num_warps=_qk_num_warps(block_hq, head_dim),
         enable_fp_fusion=False,  # keeps torch's separately rounded products (RoPE, norm)
     )
@@ -404,5 +404,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block, num_warps = _silu_launch_config(inter)
     _silu_and_mul_kernel[(num_tokens, cdiv(inter, block))](
         x, out, x.stride(0), inter, BLOCK=block, ACCURATE_EXP=not _INTERPRET,
-        PDL=pdl_enabled(x.device), launch_pdl=pdl_enabled(x.device), num_warps=num_warps)
+        **pdl_options(x.device), num_warps=num_warps)
     return out

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels import cdiv, dot_precision, next_power_of_2, split_count
-from minivllm.kernels.pdl import pdl_enabled, wait_for_previous_kernel
+from minivllm.kernels.pdl import pdl_options, wait_for_previous_kernel
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2 (exp2 is the native instruction)
 
@@ -534,8 +534,7 @@ def paged_attention_mixed(
         BLOCK_N=cfg["BLOCK_N"],
         DOT_DTYPE=dot_dtype(q.dtype, k_cache.dtype),
         DOT_PRECISION=dot_precision(q.dtype),
-        PDL=pdl_enabled(q.device),
-        launch_pdl=pdl_enabled(q.device),
+        **pdl_options(q.device),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -683,8 +682,7 @@ def _launch_decode_split(
         MODE=mode,
         DOT_DTYPE=dot_dtype(q.dtype, k_cache.dtype),
         DOT_PRECISION=dot_precision(q.dtype),
-        PDL=pdl_enabled(q.device),
-        launch_pdl=pdl_enabled(q.device),
+        **pdl_options(q.device),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -699,8 +697,7 @@ def _launch_decode_reduce(part_out, part_lse, out, num_parts: int) -> None:
         num_parts,
         HEAD_DIM=head_dim,
         PARTS_PER_STEP=DECODE_MAX_SPLITS,  # a plain decode's parts in one step
-        PDL=pdl_enabled(out.device),
-        launch_pdl=pdl_enabled(out.device),
+        **pdl_options(out.device),
         num_warps=4,
     )
 

@@ -41,3 +41,11 @@ def pdl_enabled(device: torch.device) -> bool:
     under Triton's interpreter (which runs programs one after another anyway)."""
     return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
             and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def pdl_options(device: torch.device) -> dict[str, bool]:
+    """The launch keywords of a kernel that takes a PDL constexpr: PDL (its in-kernel waits)
+    and Triton's launch_pdl, always equal: a kernel launched with PDL that did not wait would
+    read its predecessor's output too early."""
+    enabled = pdl_enabled(device)
+    return {"PDL": enabled, "launch_pdl": enabled}

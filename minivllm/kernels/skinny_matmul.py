@@ -25,7 +25,7 @@ import triton.language as tl
 import triton.testing
 
 from minivllm.kernels import cdiv, dot_precision, sm_count, split_count
-from minivllm.kernels.pdl import pdl_enabled, wait_for_previous_kernel
+from minivllm.kernels.pdl import pdl_options, wait_for_previous_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -181,8 +181,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"],
         DOT_PRECISION=dot_precision(x.dtype),
-        PDL=pdl_enabled(x.device),
-        launch_pdl=pdl_enabled(x.device),
+        **pdl_options(x.device),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
