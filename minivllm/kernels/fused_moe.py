@@ -38,8 +38,9 @@ from minivllm.kernels import cdiv, dot_precision, next_power_of_2
 # their expert's weight tiles are read from L2. At the T values the sweep timed (1, 16, 64,
 # 256, 1,024, 4,096, 8,192) each entry is the fastest tile or within 1 % of it, except at
 # T = 1,024: its entry takes 64-row blocks (a little slower there than 128 rows, figures in
-# benchmarks/RESULTS.md) so that the smaller batches it also serves are padded less. The bounds between those T values are a
-# choice; the benchmark also times T = 128 and 512 to check them.
+# benchmarks/RESULTS.md) so that the smaller batches it also serves are padded less. The
+# bounds between those T values are a choice; the benchmark also times T = 128 and 512 to
+# check them.
 CONFIGS: dict[int, dict[str, int]] = {
     32: dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
     128: dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=4),
