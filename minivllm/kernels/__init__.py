@@ -24,8 +24,8 @@ def sm_count(device: torch.device) -> int:
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of host integers. (triton.cdiv and triton.next_power_of_2 are constexpr
-    functions in Triton 3.6, ~6 µs a call on the host; eager steps call these helpers for
-    every launch.)"""
+    functions in Triton 3.6, slow to call from the host; eager steps call these helpers for
+    every launch: benchmarks/RESULTS.md has the figures.)"""
     return -(-a // b)
 
 
