@@ -73,15 +73,14 @@ run_step() {
 
 bench() {  # bench NAME SCRIPT ARGS...: a benchmark with the shared arguments (twice with AB_BASE)
     local name="$1" script="$2"; shift 2
+    # shellcheck disable=SC2086  # BENCH_ARGS is a word list on purpose
+    local cmd=(python3 -m "benchmarks.${script%.py}" "$@" --json-out "$RESULTS" $BENCH_ARGS)
     if [[ -n "${AB_BASE:-}" ]]; then
         pushd "$AB_BASE" > /dev/null || { echo "AB_BASE $AB_BASE: no such directory"; failed=1; return 0; }
-        # shellcheck disable=SC2086  # BENCH_ARGS is a word list on purpose
-        MINIVLLM_COMMIT="${AB_BASE_COMMIT:-$AB_BASE}" run_step "${name}_base" \
-            python3 -m "benchmarks.${script%.py}" "$@" --json-out "$RESULTS" $BENCH_ARGS
+        MINIVLLM_COMMIT="${AB_BASE_COMMIT:-$AB_BASE}" run_step "${name}_base" "${cmd[@]}"
         popd > /dev/null || exit 1
     fi
-    # shellcheck disable=SC2086
-    run_step "$name" python3 -m "benchmarks.${script%.py}" "$@" --json-out "$RESULTS" $BENCH_ARGS
+    run_step "$name" "${cmd[@]}"
 }
 
 {
