@@ -47,12 +47,17 @@ class ScheduledBatch:
         self.num_computed_tokens.append(seq.num_computed_tokens)
         self.samples.append(samples)
 
+    @property
+    def num_leading_decodes(self) -> int:
+        """The one-token sequences that lead the batch: its decodes (all of a decode-only step)."""
+        return next((i for i, n in enumerate(self.num_new_tokens) if n != 1), len(self))
+
     def longest_decodes_first(self) -> "ScheduledBatch":
         """The batch with its leading one-token sequences (the decodes) ordered by context
         length, longest first; the rest as they are. The decode attention kernel starts its
         programs in batch order: this way no long context starts last and sets the launch's
         tail."""
-        num_decodes = next((i for i, n in enumerate(self.num_new_tokens) if n != 1), len(self))
+        num_decodes = self.num_leading_decodes
         order = sorted(range(num_decodes), key=self.num_computed_tokens.__getitem__, reverse=True)
         order += range(num_decodes, len(self))
         return ScheduledBatch(*([column[i] for i in order] for column in

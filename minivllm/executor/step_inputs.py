@@ -99,10 +99,7 @@ def prepare_step_inputs(batch: ScheduledBatch, host: HostSet, block_size: int,
     buf.logits_indices[:len(logits_indices)] = logits_indices
     shared_blocks = 0
     if detect_cascade:
-        # The decodes lead the batch (ScheduledBatch): all of a decode-only step's sequences,
-        # the running ones of a mixed step.
-        is_decode = num_new == 1
-        num_decodes = num_seqs if is_decode.all() else int(is_decode.argmin())
+        num_decodes = batch.num_leading_decodes
         shared_blocks = shared_prefix_blocks(block_tables[:num_decodes], seq_lens[:num_decodes], bs)
         buf.num_shared_prefix_blocks[0] = shared_blocks
     rows, tokens = num_seqs, num_tokens
