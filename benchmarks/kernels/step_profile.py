@@ -10,6 +10,7 @@ from torch.profiler.
     python -m benchmarks.kernels.step_profile --prefill --context 1024     # W2's time to first token
     python -m benchmarks.kernels.step_profile --start w1                   # W1's prompt steps
     python -m benchmarks.kernels.step_profile --start w3                   # W3's prompt steps
+    python -m benchmarks.kernels.step_profile --batch 1 --temperature 0 --no-pdl   # W2's kernels, one by one
 
 --prefill times whole generate() calls of one fresh --context-token prompt and one output
 token instead: wall time per call against the GPU kernel time per call (the gap is host
@@ -57,7 +58,15 @@ def main() -> None:
     parser.add_argument("--prefill", action="store_true", help="profile single-prompt prefills (TTFT)")
     parser.add_argument("--start", choices=("w1", "w3"),
                         help="profile this workload's steps until every prompt is computed")
+    parser.add_argument("--no-pdl", action="store_true",
+                        help="launch our kernels without programmatic dependent launch: under PDL a kernel's "
+                             "profiled time includes its wait for the kernel before it, so per-kernel times "
+                             "only add up without it")
     args = parser.parse_args()
+    if args.no_pdl:
+        from minivllm.kernels import pdl
+
+        pdl.pdl_enabled = lambda device: False
     spec = resolve_model(args.model)
     llm, _ = make_llm(args, spec, max_num_seqs=max(args.batch, 1))
     if args.prefill:
