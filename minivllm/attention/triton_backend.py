@@ -14,6 +14,18 @@ Decodes (of a decode-only or a mixed step) that all begin with the same blocks t
 cascade kernels when the runner sets meta.num_shared_prefix_blocks: the shared prefix is read
 once per tile of queries instead of once per sequence. Also capturable: the prefix length is
 read on the device, split counts follow meta.max_seq_len.
+
+What each kind of step launches per layer (kernels/paged_attention.py; the graph kind is
+StepInputs.graph_kind, the cascade choice step_inputs.shared_prefix_blocks):
+
+* decodes only (graph "decode"): _decode_split_kernel (DECODE_PLAIN), then
+  _decode_reduce_kernel if the contexts are split.
+* decodes only, sharing a prefix (graph "cascade"): _decode_split_kernel with
+  DECODE_SHARED_PREFIX, then with DECODE_OWN_KEYS (which merges all parts itself when it has
+  one split), then _decode_reduce_kernel if it has more.
+* prompt chunks only (graph "prefill", up to the largest captured size): _mixed_attention_kernel.
+* decodes, then prompt chunks (eager): the decodes as above, then _mixed_attention_kernel
+  from the first prompt chunk on.
 """
 
 import torch

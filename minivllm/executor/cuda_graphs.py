@@ -12,10 +12,9 @@ fill those and replay the graph of the smallest bucket that fits it, padded. Thr
   (PREFILL_GRAPH_FEW_SEQS, or max_num_seqs). Its attention is the mixed kernel over all
   the rows, those past the batch empty: each empty row still launches a program per KV
   head, which is why a step of a few sequences gets a graph of few rows.
-  Without a graph, launching a prefill's ~300 kernels from Python takes several times
-  longer than the GPU takes to run them for a 1,024-token Qwen3-0.6B prefill on an H200,
-  and about as long at 8,192 tokens: the host would have no time left to prepare the next
-  step while the device runs this one.
+  Without a graph, launching a prefill's ~300 kernels from Python can take as long as the
+  GPU takes to run them, or longer for short prompts: the host would have no time left to
+  prepare the next step while the device runs this one.
 """
 
 import logging
@@ -34,8 +33,8 @@ GraphKind = Literal["decode", "cascade", "prefill"]
 GraphShape = tuple[int, int]  # (tokens, sequence rows) of a graph's inputs
 # Steps of at most this many sequences take prefill graphs of this many rows, not
 # max_num_seqs: every empty row launches a program per KV head (a binary search of dependent
-# loads), scheduled ahead of the real ones. Checked on one 1,024-token Qwen3-0.6B prompt on
-# an H200: in a 4-row graph its attention runs as fast as eagerly.
+# loads), scheduled ahead of the real ones; with 4 rows a single prompt's attention runs as
+# fast as eagerly.
 PREFILL_GRAPH_FEW_SEQS = 4
 
 
@@ -130,8 +129,8 @@ class StepGraphs:
 
         A graph that captured an NCCL collective holds a reference on its communicator that
         only destroying the graph drops, and destroying the process group waits for those
-        references: without this, a tensor-parallel engine's shutdown hangs (seen on two
-        H200s; pytorch/pytorch#115388)."""
+        references: without this, a tensor-parallel engine's shutdown hangs
+        (pytorch/pytorch#115388)."""
         torch.cuda.synchronize()  # no replay still running in the pool's memory
         for graph in self.graphs.values():
             graph.reset()

@@ -245,6 +245,8 @@ class ModelRunner:
         on other ranks, or when no row samples. Every rank runs this for every step."""
         inputs = self._upload(step)
         if step.graph is not None:
+            # The graph was captured on slices of the persistent device buffers (InputBuffers),
+            # which _upload has just filled: it takes no arguments.
             hidden = self.graphs.replay(step.graph, step.graph_kind)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)

@@ -266,7 +266,7 @@ def _qk_norm_rope_store_kernel(
     _store_halves(q_ptr + tok * stride_qn, stride_qh, q1, q2, NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF)
 
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)  # int64: caches can pass 2**31 elements
-    if slot >= 0:  # < 0: padding, or a token whose K/V is already cached
+    if slot >= 0:  # < 0: stored nowhere (a graph's padding tokens, warm-up steps)
         k1, k2 = _load_halves(k_ptr + tok * stride_kn, stride_kh, NUM_KV_HEADS, HALF, BLOCK_HKV, BLOCK_HALF)
         if QK_NORM:
             k1, k2 = _head_rms_norm(k1, k2, k_weight_ptr, eps, HALF, BLOCK_HALF)

@@ -9,13 +9,13 @@ points launch them:
   the same launch. One program = one tile of BLOCK_Q query tokens x the GQA group of query
   heads that share one KV head, so each K/V tile loaded feeds every head of the group.
 
-* `paged_attention_decode` - decode-only batches (every query length 1), the hot path that
-  runs inside CUDA graphs. Flash-decoding: each (sequence, KV head) context is split into
-  num_splits contiguous ranges handled by separate programs, so that small batches still
-  fill the GPU; a second kernel merges the partial results through their log-sum-exps.
-  The query heads of a GQA group form the rows of one tile (padded to a power of two of at
-  least 16, the smallest tl.dot M) so the scores and the value sum run on tensor cores and
-  K/V are read once.
+* `paged_attention_decode` - one query token per sequence: decode-only batches (the hot path
+  that runs inside CUDA graphs) and the leading decodes of a mixed step. Flash-decoding: each
+  (sequence, KV head) context is split into num_splits contiguous ranges handled by separate
+  programs, so that small batches still fill the GPU; a second kernel merges the partial
+  results through their log-sum-exps. The query heads of a GQA group form the rows of one
+  tile (padded to a power of two of at least 16, the smallest tl.dot M) so the scores and the
+  value sum run on tensor cores and K/V are read once.
 
 * `paged_attention_decode_shared_prefix` - cascade decode, for batches whose sequences all
   begin with the same blocks (prefix caching): the same split kernel, launched once over

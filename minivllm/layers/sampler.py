@@ -9,10 +9,11 @@ One step, for a batch of B rows of logits [B, V]:
 5. random rows: with min_p, top_k or top_p, divide by temperature and set the filtered-out
    tokens to -inf; then sample with the Gumbel-max trick: argmax(logits + T * Gumbel noise)
    (T = 1 once divided), the same as argmax(logits / T + noise), is a sample from
-   softmax(logits / T), with no softmax computed. On CUDA tensors this is one Triton
-   kernel (minivllm/kernels/sampling.py) that draws the noise in registers; on CPU the same
-   formula in torch (`gumbel_noise`). A seeded row draws its randomness from its own
-   generator, so its tokens do not depend on what else is in the batch or where its row is.
+   softmax(logits / T), with no softmax computed. With the Triton kernels (kernels="triton")
+   this is one kernel (minivllm/kernels/sampling.py) that draws the noise in registers;
+   otherwise the same formula in torch (`gumbel_noise`). A seeded row draws its randomness
+   from its own generator, so its tokens do not depend on what else is in the batch or where
+   its row is.
 
 Steps 2, 3 and the filters work on a float32 copy of the logits; a step that needs none of
 them reads the model's logits as they are (the caller's tensor is never modified).
@@ -47,10 +48,10 @@ class SamplingRow:
     """One sequence's inputs for this step (host side)."""
 
     params: SamplingParams
-    # Read only for rows with penalties. A numpy int64 array (say, the prompt cached once
-    # per sequence) skips the per-step conversion of Python ints.
-    prompt_token_ids: Sequence[int] | np.ndarray
-    output_token_ids: Sequence[int] | np.ndarray
+    # The token history: outputs read by penalties and by min_tokens, the prompt by
+    # repetition_penalty (empty where nothing reads it: _sampling_row).
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
     generator: torch.Generator | None = None  # seeded requests; on the model's device
 
 
@@ -186,10 +187,9 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor.to(device)
 
 
-def _pad_token_ids(lists: Sequence[Sequence[int] | np.ndarray], pad: int) -> np.ndarray:
+def _pad_token_ids(lists: Sequence[Sequence[int]], pad: int) -> np.ndarray:
     """Ragged token-id lists -> [len(lists), max_len] int64, padded with pad (= vocab_size,
-    which lands in a spare column that the sampler drops). Converting Python ints costs
-    ~0.1 us each; rows given as numpy arrays (e.g. a prompt cached by the engine) are free."""
+    which lands in a spare column that the sampler drops)."""
     lengths = [len(ids) for ids in lists]
     out = np.full((len(lists), max(lengths, default=0) or 1), pad, dtype=np.int64)
     for i, ids in enumerate(lists):  # over rows, not tokens: numpy converts each row in C
