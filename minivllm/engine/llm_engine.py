@@ -191,7 +191,8 @@ class LLMEngine:
 
     def _needs_known_tokens(self) -> bool:
         """Penalties and min_tokens read a sequence's latest tokens: wait for them."""
-        return any(seq.params.has_penalties or 0 < seq.num_output_tokens <= seq.params.min_tokens
+        return any(seq.needs_token_history and (seq.params.has_penalties
+                                                or 0 < seq.num_output_tokens <= seq.params.min_tokens)
                    for seq in self.scheduler.running)
 
     def _finish_step(self, handle: StepHandle) -> list[RequestOutput]:

@@ -23,6 +23,9 @@ class Sequence:
         self.request_id = request_id
         self.index = index  # which of the request's n samples
         self.params = params
+        # Whether sampling reads this sequence's tokens so far (penalties, min_tokens): read
+        # once here, since every step asks it of every running sequence.
+        self.needs_token_history = params.needs_token_history
         self.generator = generator
         self.token_ids: list[int] = list(prompt_token_ids)  # known tokens only
         self.num_prompt_tokens = len(prompt_token_ids)

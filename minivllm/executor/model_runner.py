@@ -339,7 +339,6 @@ class ModelRunner:
 
 def _sampling_row(seq: Sequence) -> SamplingRow:
     """Token history is only copied for the rows whose sampling reads it."""
-    params = seq.params
-    needs_history = params.needs_token_history
-    return SamplingRow(params, seq.prompt_token_ids if needs_history else (),
+    needs_history = seq.needs_token_history
+    return SamplingRow(seq.params, seq.prompt_token_ids if needs_history else (),
                        seq.output_token_ids if needs_history else (), seq.generator)
