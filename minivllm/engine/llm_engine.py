@@ -177,13 +177,12 @@ class LLMEngine:
             self.failure = error
             raise
         now = time.time()
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+        for seq in batch.seqs[len(batch) - batch.num_admitted:]:
             metrics = self.requests[seq.request_id].metrics
-            metrics.first_scheduled_time = metrics.first_scheduled_time or now
-            if num_new > 1:
-                self.num_prefill_tokens += num_new
-            else:
-                self.num_decode_tokens += 1
+            metrics.first_scheduled_time = metrics.first_scheduled_time or now  # (a preempted one: kept)
+        num_decodes = batch.num_new_tokens.count(1)
+        self.num_decode_tokens += num_decodes
+        self.num_prefill_tokens += sum(batch.num_new_tokens) - num_decodes
         if self.in_flight is not None:
             outputs += self._finish_step(self.in_flight)
         self.in_flight = launched

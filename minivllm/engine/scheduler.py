@@ -37,6 +37,8 @@ class ScheduledBatch:
     num_computed_tokens: list[int] = field(default_factory=list)
     # Whether the step samples the sequence's next token (its last known token is computed).
     samples: list[bool] = field(default_factory=list)
+    # How many of the last sequences came from the waiting queue this step (admitted).
+    num_admitted: int = 0
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -61,7 +63,8 @@ class ScheduledBatch:
         order = sorted(range(num_decodes), key=self.num_computed_tokens.__getitem__, reverse=True)
         order += range(num_decodes, len(self))
         return ScheduledBatch(*([column[i] for i in order] for column in
-                                (self.seqs, self.num_new_tokens, self.num_computed_tokens, self.samples)))
+                                (self.seqs, self.num_new_tokens, self.num_computed_tokens, self.samples)),
+                              num_admitted=self.num_admitted)
 
 
 class Scheduler:
@@ -83,16 +86,17 @@ class Scheduler:
         preempted = False
         # 1. Running sequences: decodes and continuing prompt chunks, oldest first.
         i = 0
-        allocate = self.kv_cache_manager.allocate
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            if seq.length_limit_reached(self.max_model_len, seq.num_tokens):
+        running, allocate, max_model_len = self.running, self.kv_cache_manager.allocate, self.max_model_len
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            num_tokens = seq.num_tokens
+            if seq.length_limit_reached(max_model_len, num_tokens):
                 i += 1  # finishes once its pending token is read back
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(num_tokens - seq.num_computed_tokens, budget)
             while not allocate(seq, num_new):
                 preempted = True
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -114,6 +118,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._schedule(batch, seq, num_new)
+            batch.num_admitted += 1
             budget -= num_new
         return batch
 
