@@ -5,7 +5,8 @@ sampled known, as LLMEngine does once the step comes back.
 Each test protects one scheduling rule users depend on: the token budget and chunked
 prompts, max_num_seqs, running sequences before waiting ones (FCFS), preemption of the
 newest running sequence (and of a sequence by itself), no admission in a step that
-preempted, and prefix-cache hits that skip computed tokens on admission.
+preempted, and prefix-cache hits that skip computed tokens on admission. Every step also checks
+that the batch ends with the sequences it admitted, counted by num_admitted.
 """
 
 from __future__ import annotations
@@ -65,8 +66,12 @@ def read_back(batch: ScheduledBatch) -> None:
 
 def step(scheduler: Scheduler) -> list[Row]:
     """Schedule one step, check the KV cache's books, and read its tokens back."""
+    waiting = set(scheduler.waiting)
     batch = scheduler.schedule()
     check_books(scheduler, batch)
+    # The sequences admitted from the waiting queue end the batch, and num_admitted counts them.
+    admitted = [seq in waiting for seq in batch.seqs]
+    assert admitted == [False] * (len(batch) - batch.num_admitted) + [True] * batch.num_admitted
     read_back(batch)
     return rows(batch)
 
