@@ -4,8 +4,7 @@ same result launched eagerly and replayed from a CUDA graph (where PDL's early s
 import pytest
 import torch
 
-from minivllm.kernels import fused_ops
-from minivllm.kernels import pdl
+from minivllm.kernels import fused_ops, pdl
 from minivllm.kernels.pdl import pdl_enabled
 from minivllm.kernels.skinny_matmul import skinny_matmul
 from tests.conftest import requires_cuda

@@ -179,7 +179,8 @@ class LLMEngine:
         now = time.time()
         for seq in batch.seqs[len(batch) - batch.num_admitted:]:
             metrics = self.requests[seq.request_id].metrics
-            metrics.first_scheduled_time = metrics.first_scheduled_time or now  # (a preempted one: kept)
+            # A preempted sequence is admitted again: its request keeps its first time.
+            metrics.first_scheduled_time = metrics.first_scheduled_time or now
         num_decodes = batch.num_new_tokens.count(1)
         self.num_decode_tokens += num_decodes
         self.num_prefill_tokens += sum(batch.num_new_tokens) - num_decodes
