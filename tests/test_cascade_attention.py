@@ -87,6 +87,7 @@ LAYOUTS = {  # name: (block_size, num_q_heads, num_kv_heads, head_dim, dtype)
     "gqa2-d128-bs16-fp16": (16, 4, 2, 128, torch.float16),
     "gqa4-d64-bs16-fp16": (16, 8, 2, 64, torch.float16),
     "gqa8-d128-bs8-fp32": (8, 8, 1, 128, torch.float32),
+    "gqa2-hkv4-d64-bs8-fp32": (8, 8, 4, 64, torch.float32),  # own-keys programs of 4 KV heads
 }
 CASES = {  # name: (suffix_lens, num_prefix_blocks, prefix_splits, suffix_splits)
     # One prefix block, every sequence with only its new token (suffix of exactly 1).
@@ -105,6 +106,13 @@ def test_cascade_matches_reference(case, layout):
     suffix_lens, prefix_blocks, prefix_splits, suffix_splits = CASES[case]
     batch = CascadeBatch(suffix_lens, prefix_blocks, *LAYOUTS[layout])
     batch.check(batch.cascade(prefix_splits=prefix_splits, suffix_splits=suffix_splits))
+
+
+@pytest.mark.parametrize("num_kv_heads,heads", [(1, 1), (2, 2), (3, 1), (4, 4), (6, 2), (8, 4), (12, 4)])
+def test_own_keys_heads_per_program_divide_the_kv_heads(num_kv_heads, heads):
+    cfg = pa.own_keys_config(128, torch.bfloat16, num_kv_heads)
+    assert cfg["HEADS"] == heads
+    assert cfg["HEADS"] * cfg["BLOCK_N"] == pa.decode_config(128, torch.bfloat16)["BLOCK_N"]
 
 
 def test_cascade_small_row_tiles():

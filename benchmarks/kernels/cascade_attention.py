@@ -58,10 +58,10 @@ def graphed_s(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e-3
 
 
-# Own-keys (suffix) launch tiles tried by --sweep: (BLOCK_N, num_warps, num_stages). W3's own
-# contexts are 64..192 tokens, a few tiles per program, where decode_config()'s long-context
-# tiles may leave too few programs resident.
-SUFFIX_TILES = [(64, 4, 3), (64, 4, 2), (32, 4, 2), (32, 4, 3), (32, 4, 4), (16, 4, 3), (32, 2, 2), (64, 8, 2)]
+# Own-keys (suffix) launch tiles tried by --sweep: (HEADS, BLOCK_N, num_warps, num_stages),
+# KV heads per program x tokens per key tile. W3's own contexts are 64..192 tokens.
+SUFFIX_TILES = [(4, 16, 4, 3), (4, 16, 4, 2), (8, 16, 4, 3), (8, 8, 4, 3), (2, 32, 4, 2), (4, 32, 4, 3),
+                (1, 32, 4, 2), (1, 64, 4, 3), (4, 16, 8, 3)]
 
 
 def main() -> None:
@@ -138,20 +138,22 @@ def sweep_launches(q, k_cache, v_cache, lens, table, num_prefix_blocks, scale, p
     part_lse = torch.empty(NUM_SEQS * HQ * parts, dtype=torch.float32, device="cuda")
     out = torch.empty_like(q)
 
-    def launch(mode: int, splits: int, offset: int, cfg: dict) -> None:
-        pa._launch_decode_split(q, k_cache, v_cache, out, part_out, part_lse, lens, table, mode,
-                                num_prefix_blocks, scale, splits, offset, parts, cfg)
-    t = graphed_s(lambda: launch(pa.DECODE_SHARED_PREFIX, prefix_splits, 0, prefix_cfg))
+    t = graphed_s(lambda: pa._launch_decode_split(
+        q, k_cache, v_cache, out, part_out, part_lse, lens, table, pa.DECODE_SHARED_PREFIX,
+        num_prefix_blocks, scale, prefix_splits, 0, parts, prefix_cfg))
     print(f"   prefix launch alone (graphed, BLOCK_M {prefix_cfg['BLOCK_M']} BLOCK_N {prefix_cfg['BLOCK_N']}, "
           f"splits {prefix_splits}): {t * 1e6:7.1f} us", flush=True)
-    for block_n, warps, stages in SUFFIX_TILES:
-        cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
-        t = graphed_s(lambda cfg=cfg: launch(pa.DECODE_OWN_KEYS, 1, prefix_splits, cfg))
+    for heads, block_n, warps, stages in SUFFIX_TILES:
+        cfg = {"HEADS": heads, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+        t = graphed_s(lambda cfg=cfg: pa._launch_own_keys(
+            q, k_cache, v_cache, out, part_out, part_lse, lens, table, num_prefix_blocks, scale, 1,
+            prefix_splits, parts, cfg))
         whole = graphed_s(lambda cfg=cfg: pa.paged_attention_decode_shared_prefix(
             q, k_cache, v_cache, lens, table, num_prefix_blocks, scale, prefix_splits=prefix_splits,
             suffix_splits=1, out=out, part_out=part_out, part_lse=part_lse, prefix_config=prefix_cfg,
             suffix_config=cfg))
-        print(f"   own-keys launch alone BLOCK_N {block_n:3d} warps {warps} stages {stages}: {t * 1e6:7.1f} us "
+        print(f"   own-keys launch alone HEADS {heads} BLOCK_N {block_n:3d} warps {warps} stages {stages}: "
+              f"{t * 1e6:7.1f} us "
               f"({suffix_bytes / t / 1e12:4.2f} TB/s of own K/V); whole cascade graphed {whole * 1e6:7.1f} us",
               flush=True)
 

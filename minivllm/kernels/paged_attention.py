@@ -1,8 +1,9 @@
 """Attention over the paged KV cache, in Triton.
 
 Two kernels share one inner loop (`_attend_kv_tiles`: for each tile of keys, the scores, an
-online softmax update and the weighted sum of values, all accumulated in fp32); three entry
-points launch them:
+online softmax update and the weighted sum of values, all accumulated in fp32), a third
+(`_own_keys_kernel`) runs the same steps over tiles of several KV heads; three entry points
+launch them:
 
 * `paged_attention_mixed` - any batch: prompt chunks attend causally to their cached prefix
   (read through the block table) and to themselves; decode rows (query length 1) ride in
@@ -18,11 +19,12 @@ points launch them:
   value sum run on tensor cores and K/V are read once.
 
 * `paged_attention_decode_shared_prefix` - cascade decode, for batches whose sequences all
-  begin with the same blocks (prefix caching): the same split kernel, launched once over
-  the shared prefix with tiles of BLOCK_M rows drawn from every sequence (each prefix K/V
-  tile is read once per row tile, not once per sequence), once over each sequence's own
-  keys; that launch merges its result with the prefix's partial results (or, when it
-  splits the own keys too, the same reduce merges both launches' partial results).
+  begin with the same blocks (prefix caching): the split kernel, launched over the shared
+  prefix with tiles of BLOCK_M rows drawn from every sequence (each prefix K/V tile is read
+  once per row tile, not once per sequence), then `_own_keys_kernel` over each sequence's
+  own keys, several KV heads per program (own contexts are short); that launch merges its
+  result with the prefix's partial results (or, when it splits the own keys too, the
+  reduce merges both launches' partial results).
 
 Layout (see minivllm/attention/metadata.py): k_cache, v_cache are
 [num_blocks, block_size, num_kv_heads, head_dim]; token t of sequence b lives in block
@@ -237,7 +239,7 @@ def _mixed_attention_kernel(
 # Decode: split-KV (flash-decoding) + reduce, and cascade (shared-prefix) decode
 # ----------------------------------------------------------------------------------------
 # _decode_split_kernel's MODE.
-DECODE_PLAIN, DECODE_SHARED_PREFIX, DECODE_OWN_KEYS = 0, 1, 2
+DECODE_PLAIN, DECODE_SHARED_PREFIX = 0, 1
 
 
 # Split counts are runtime arguments (not specialised): the engine's counts follow the batch
@@ -265,45 +267,38 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    MODE: tl.constexpr,  # DECODE_PLAIN, DECODE_SHARED_PREFIX or DECODE_OWN_KEYS
+    MODE: tl.constexpr,  # DECODE_PLAIN or DECODE_SHARED_PREFIX
     DOT_DTYPE: tl.constexpr,  # see dot_dtype()
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
-    # Three uses of one kernel (they differ only in which query rows and keys a program has):
+    # Two uses of one kernel (they differ only in which query rows and keys a program has):
     # * DECODE_PLAIN: rows = the GQA group of sequence program_id(2) (padded to BLOCK_M),
     #   keys = its whole context;
-    # * DECODE_OWN_KEYS (cascade): the same rows, keys P * BLOCK_SIZE .. seq_len, where the
-    #   first P = prefix_blocks_ptr[0] blocks of every block table are the shared prefix;
     # * DECODE_SHARED_PREFIX (cascade): rows = tile program_id(2) of all B * GQA (sequence,
-    #   head) pairs of this KV head, keys = the shared prefix (block table row 0's first P
-    #   blocks), read once for the whole tile instead of once per sequence; a full tile of
-    #   rows keeps the tensor cores busy.
-    # P is read on the device so that a CUDA graph serves any shared prefix.
+    #   head) pairs of this KV head, keys = the shared prefix (the first P = prefix_blocks_ptr[0]
+    #   blocks of block table row 0, which every row shares), read once for the whole tile
+    #   instead of once per sequence; a full tile of rows keeps the tensor cores busy.
+    #   P is read on the device so that a CUDA graph serves any shared prefix.
     # Programs start in launch order, program_id(0) fastest: a row tile's heads and splits
     # are neighbours, and row tiles start in batch order (the runner puts the longest
     # contexts first, so that no long one starts last and sets the launch's tail).
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
-    num_prefix_blocks = 0
-    if MODE != 0:  # a cascade launch
-        num_prefix_blocks = tl.load(prefix_blocks_ptr)
     if MODE == 1:  # DECODE_SHARED_PREFIX
         rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_valid = rows < num_seqs * GQA
         seq = rows // GQA  # [BLOCK_M]: a sequence per row
         head = kv_head * GQA + rows % GQA
         block_table_ptr = block_tables_ptr
-        kv_len = num_prefix_blocks * BLOCK_SIZE
+        kv_len = tl.load(prefix_blocks_ptr) * BLOCK_SIZE
     else:
         rows = tl.arange(0, BLOCK_M)
         row_valid = rows < GQA
         seq = tl.program_id(2)  # one sequence for the whole tile
         head = kv_head * GQA + rows
-        # Keys are counted from the first unskipped block: key t is token
-        # num_prefix_blocks * BLOCK_SIZE + t, at entry num_prefix_blocks + t // BLOCK_SIZE.
-        block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt + num_prefix_blocks
-        kv_len = tl.maximum(tl.load(seq_lens_ptr + seq) - num_prefix_blocks * BLOCK_SIZE, 0)
+        block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        kv_len = tl.load(seq_lens_ptr + seq)
     # The context is shared evenly across the splits in whole BLOCK_N tiles (so only its
     # very last tile needs masks). Real lengths come from the device, the split count from
     # the launch: short contexts leave their last splits empty.
@@ -313,8 +308,7 @@ def _decode_split_kernel(
     num_keys = tl.maximum(tl.minimum(kv_len - split * split_len, split_len), 0)
 
     offs_d = tl.arange(0, HEAD_DIM)
-    if MODE != 2:
-        wait_for_previous_kernel(PDL)
+    wait_for_previous_kernel(PDL)
     q_offs = seq.to(tl.int64) * stride_qn + head * stride_qh  # [BLOCK_M]
     q = tl.load(q_ptr + q_offs[:, None] + offs_d[None, :], mask=row_valid[:, None], other=0.0)
     q = q.to(DOT_DTYPE)
@@ -340,32 +334,14 @@ def _decode_split_kernel(
     # and lse = -inf so the merge gives it no weight.
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    if MODE == 2:
-        # The own-keys launch follows the prefix launch, which started only after the
-        # kernel that stored q and the new keys had finished (kernels/pdl.py): so it reads
-        # its keys while the prefix launch runs, and waits for it only to use its parts.
-        wait_for_previous_kernel(PDL)
     o_ptrs = out_ptr + (seq.to(tl.int64) * stride_on + head * stride_oh)[:, None] + offs_d[None, :]
     if num_parts == 1:
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
     else:
-        first_part = (seq * num_q_heads + head) * num_parts  # [BLOCK_M]: each row's part 0
+        part = (seq * num_q_heads + head) * num_parts + part_offset + split
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        # A cascade's suffix launch with one split per context runs after the prefix launch
-        # has written every prefix part (stream order): it merges them itself, which saves
-        # the reduce launch. Otherwise this part goes to the workspace for the reduce.
-        merge_here = False
-        if MODE == 2:  # DECODE_OWN_KEYS
-            merge_here = num_splits == 1
-        if merge_here:
-            out = _merge_parts(out, lse, part_out_ptr, part_lse_ptr, first_part, part_offset,
-                               row_valid, HEAD_DIM)
-            tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
-        else:
-            part = first_part + part_offset + split
-            tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out,
-                     mask=row_valid[:, None])
-            tl.store(part_lse_ptr + part, lse, mask=row_valid)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_valid[:, None])
+        tl.store(part_lse_ptr + part, lse, mask=row_valid)
 
 
 @triton.jit
@@ -390,6 +366,100 @@ def _merge_parts(out, lse, part_out_ptr, part_lse_ptr, first_part, num_stored, r
         den = den * alpha + weight
         m = m_new
     return acc / tl.where(den == 0.0, 1.0, den)[:, None]
+
+
+@triton.jit(do_not_specialize=["num_splits", "part_offset", "num_parts"])
+def _own_keys_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,  # as _decode_split_kernel's
+    seq_lens_ptr, block_tables_ptr,
+    prefix_blocks_ptr,  # [1] int32: the shared prefix's blocks, which this launch skips
+    scale_log2,
+    num_q_heads,
+    stride_qn, stride_qh,
+    stride_on, stride_oh,
+    stride_cb, stride_cs, stride_ch,
+    stride_bt,
+    num_splits,  # programs along each sequence's own keys
+    part_offset,  # this launch's splits are parts part_offset..; the prefix launch's come first
+    num_parts,
+    GQA: tl.constexpr,
+    HEADS: tl.constexpr,  # KV heads per program
+    BLOCK_M: tl.constexpr,  # HEADS * GQA query rows, padded to a power of two >= 16
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # tokens per key tile (the tile has HEADS * BLOCK_N rows)
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # The cascade's second launch: each sequence's own keys, P * BLOCK_SIZE .. seq_len, past the
+    # P = prefix_blocks_ptr[0] shared blocks. Own contexts are short (W3: 64-192 tokens), so
+    # one KV head per program would leave each program a few tiles, and its fixed costs (the
+    # query, the merge, filling the pipeline) would weigh. Here a program takes HEADS KV heads
+    # of one sequence: its query rows are their HEADS * GQA query heads, and each key tile
+    # stacks the same BLOCK_N tokens of every one of those KV heads (row j: head j // BLOCK_N,
+    # token j % BLOCK_N; one token's heads are neighbours in a page). A row's scores are kept
+    # only for its own head's keys; the dots do the masked rows' work too, as many
+    # multiply-adds as one program per head padding its GQA rows to 16.
+    head_group = tl.program_id(0)
+    split = tl.program_id(1)
+    seq = tl.program_id(2)
+    rows = tl.arange(0, BLOCK_M)
+    row_valid = rows < HEADS * GQA
+    head = head_group * HEADS * GQA + rows
+    cols = tl.arange(0, HEADS * BLOCK_N)
+    col_token = cols % BLOCK_N
+    col_head_off = (head_group * HEADS + cols // BLOCK_N) * stride_ch
+    own_head = (rows // GQA)[:, None] == (cols // BLOCK_N)[None, :]
+    num_prefix_blocks = tl.load(prefix_blocks_ptr)
+    # Own key t is token P * BLOCK_SIZE + t, at block-table entry P + t // BLOCK_SIZE.
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt + num_prefix_blocks
+    kv_len = tl.maximum(tl.load(seq_lens_ptr + seq) - num_prefix_blocks * BLOCK_SIZE, 0)
+    tiles_per_split = ((kv_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N
+    first_tile = split * tiles_per_split
+    last_tile = tl.minimum(first_tile + tiles_per_split, (kv_len + BLOCK_N - 1) // BLOCK_N)
+
+    # The query and the keys were written before the prefix launch started (kernels/pdl.py):
+    # this launch reads them while that one runs, and waits for it only to merge its parts.
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_offs = seq.to(tl.int64) * stride_qn + head * stride_qh
+    q = tl.load(q_ptr + q_offs[:, None] + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+    q = q.to(DOT_DTYPE)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for t in range(first_tile, last_tile):
+        offs_n = t * BLOCK_N + col_token
+        valid = offs_n < kv_len
+        block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=valid, other=0)
+        kv_offs = block_ids.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + col_head_off
+        kv_ptrs = kv_offs[:, None] + offs_d[None, :]
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=valid[:, None], other=0.0).to(DOT_DTYPE)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(own_head & valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # online softmax, as in _attend_kv_tiles
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        v = tl.load(v_cache_ptr + kv_ptrs, mask=valid[:, None], other=0.0).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+
+    empty = l_i == 0.0  # no own keys in this split (or a padded row): no weight in the merge
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    wait_for_previous_kernel(PDL)
+    first_part = (seq * num_q_heads + head) * num_parts
+    if num_splits == 1:
+        # The prefix launch has written all its parts (part_offset of them) before this one
+        # passed its wait: merge them here, which saves the reduce launch.
+        out = _merge_parts(out, lse, part_out_ptr, part_lse_ptr, first_part, part_offset, row_valid, HEAD_DIM)
+        o_ptrs = out_ptr + (seq.to(tl.int64) * stride_on + head * stride_oh)[:, None] + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    else:
+        part = first_part + part_offset + split
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_valid[:, None])
+        tl.store(part_lse_ptr + part, lse, mask=row_valid)
 
 
 @triton.jit(do_not_specialize=["num_parts"])
@@ -642,7 +712,7 @@ def _decode_workspace(part_out, part_lse, rows: int, q: torch.Tensor):
 
 def _launch_decode_split(
     q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables,
-    mode: int,  # DECODE_PLAIN, DECODE_SHARED_PREFIX or DECODE_OWN_KEYS
+    mode: int,  # DECODE_PLAIN or DECODE_SHARED_PREFIX
     prefix_blocks: torch.Tensor | None,  # [1] int32 on the device: the shared prefix's blocks (cascade)
     scale: float,
     num_splits: int,
@@ -650,7 +720,7 @@ def _launch_decode_split(
     num_parts: int,
     cfg: dict,
 ) -> None:
-    """One launch of _decode_split_kernel (plain decode, cascade prefix or cascade suffix)."""
+    """One launch of _decode_split_kernel (plain decode or the cascade's prefix)."""
     num_seqs, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     gqa = num_q_heads // num_kv_heads
@@ -680,6 +750,47 @@ def _launch_decode_split(
         BLOCK_SIZE=block_size,
         BLOCK_N=cfg["BLOCK_N"],
         MODE=mode,
+        DOT_DTYPE=dot_dtype(q.dtype, k_cache.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
+        **pdl_options(q.device),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+
+
+def _launch_own_keys(
+    q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables,
+    prefix_blocks: torch.Tensor,  # [1] int32 on the device: the shared prefix's blocks
+    scale: float,
+    num_splits: int,
+    part_offset: int,  # the prefix launch's parts per row
+    num_parts: int,
+    cfg: dict,
+) -> None:
+    """The cascade's own-keys launch (_own_keys_kernel)."""
+    num_seqs, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    gqa = num_q_heads // num_kv_heads
+    heads = cfg["HEADS"]
+    assert num_kv_heads % heads == 0, f"HEADS={heads} must divide the {num_kv_heads} KV heads"
+    _own_keys_kernel[(num_kv_heads // heads, num_splits, num_seqs)](
+        q, k_cache, v_cache, out, part_out, part_lse,
+        seq_lens, block_tables, prefix_blocks,
+        scale * LOG2E,
+        num_q_heads,
+        q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        num_splits,
+        part_offset,
+        num_parts,
+        GQA=gqa,
+        HEADS=heads,
+        BLOCK_M=max(16, next_power_of_2(heads * gqa)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=cfg["BLOCK_N"],
         DOT_DTYPE=dot_dtype(q.dtype, k_cache.dtype),
         DOT_PRECISION=dot_precision(q.dtype),
         **pdl_options(q.device),
@@ -722,13 +833,22 @@ def shared_prefix_config(head_dim: int, dtype: torch.dtype, num_rows: int) -> di
             "num_stages": cfg["num_stages"]}
 
 
-def own_keys_config(head_dim: int, dtype: torch.dtype) -> dict:
-    """Tiles for the cascade's own-keys launch: decode_config()'s with half the keys per tile
-    and two stages. Own contexts are short (a few tiles per program), where more programs
-    resident per SM beat deeper pipelines. Tuned on W3's decode step (256 sequences of 64-192
-    own tokens, bf16, D=128, H200): the best of benchmarks/kernels/cascade_attention.py --sweep."""
-    cfg = decode_config(head_dim, dtype)
-    return cfg | {"BLOCK_N": max(16, cfg["BLOCK_N"] // 2), "num_stages": 2}
+# The own-keys launch's KV heads per program (at most; the largest power of two that divides
+# the model's KV heads).
+OWN_KEYS_MAX_HEADS = 4
+
+
+def own_keys_config(head_dim: int, dtype: torch.dtype, num_kv_heads: int) -> dict:
+    """Tiles for the cascade's own-keys launch (_own_keys_kernel): HEADS KV heads per program,
+    key tiles of decode_config()'s BLOCK_N rows (HEADS * the tile's tokens), three stages.
+    Tuned on W3's decode step (256 sequences of 64-192 own tokens, bf16, D=128, 8 KV heads,
+    H200): 4 heads x 16 tokens beat 8 x 8, 8 x 16, 2 x 32 and the one-head programs of
+    _decode_split_kernel (benchmarks/kernels/cascade_attention.py --sweep)."""
+    heads = OWN_KEYS_MAX_HEADS
+    while num_kv_heads % heads:
+        heads //= 2
+    key_rows = decode_config(head_dim, dtype)["BLOCK_N"]
+    return {"HEADS": heads, "BLOCK_N": max(1, key_rows // heads), "num_warps": 4, "num_stages": 3}
 
 
 def shared_prefix_num_splits(
@@ -769,8 +889,8 @@ def paged_attention_decode_shared_prefix(
     Cascade: (1) the shared prefix, for all B * GQA query rows of a KV head at once in
     tiles of BLOCK_M rows, so each prefix K/V tile is read once per row tile instead of
     once per sequence; prefix_splits programs along the prefix; (2) each sequence's own
-    keys [P * block_size, seq_len) through the split-KV kernel, suffix_splits programs
-    each; (3) all prefix_splits + suffix_splits partial results of a (sequence, head) are
+    keys [P * block_size, seq_len) through _own_keys_kernel, suffix_splits programs per
+    group of KV heads; (3) all prefix_splits + suffix_splits partial results of a (sequence, head) are
     merged by their log-sum-exps into out (q's dtype): by the suffix launch itself when
     suffix_splits is 1 (the common case: short own keys, many sequences), else by the
     reduce kernel.
@@ -793,16 +913,15 @@ def paged_attention_decode_shared_prefix(
     if prefix_config is None:
         prefix_config = shared_prefix_config(head_dim, q.dtype, num_seqs * gqa)
     if suffix_config is None:
-        suffix_config = own_keys_config(head_dim, q.dtype)
+        suffix_config = own_keys_config(head_dim, q.dtype, k_cache.shape[2])
     # Workspace parts per (sequence, head): the prefix splits first, then the suffix's.
     num_parts = prefix_splits + suffix_splits
     part_out, part_lse = _decode_workspace(part_out, part_lse, num_seqs * num_q_heads * num_parts, q)
     _launch_decode_split(q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables,
                          DECODE_SHARED_PREFIX, num_prefix_blocks, scale, prefix_splits, 0, num_parts,
                          prefix_config)
-    _launch_decode_split(q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables,
-                         DECODE_OWN_KEYS, num_prefix_blocks, scale, suffix_splits, prefix_splits, num_parts,
-                         suffix_config)
+    _launch_own_keys(q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables, num_prefix_blocks,
+                     scale, suffix_splits, prefix_splits, num_parts, suffix_config)
     if suffix_splits > 1:  # with one split, the suffix launch has merged (see the kernel)
         _launch_decode_reduce(part_out, part_lse, out, num_parts)
     return out
