@@ -817,7 +817,7 @@ def _launch_decode_reduce(part_out, part_lse, out, num_parts: int) -> None:
 # Cascade decode: a prefix shared by the whole batch is read once per tile of queries
 # ----------------------------------------------------------------------------------------
 # The prefix launch is compute-shaped (BLOCK_M x BLOCK_N tiles on tensor cores, K/V mostly
-# from L2) and its bf16 tiles take ~128 KB of shared memory, one program per SM: so at most
+# from L2) and its bf16 tiles take ~160 KB of shared memory, one program per SM: so at most
 # one wave of programs. A second, partial wave costs a whole program's time, and more splits
 # add workspace traffic (checked on W3's decode step: benchmarks/kernels/cascade_attention.py
 # --sweep).
@@ -826,17 +826,11 @@ PREFIX_MIN_TOKENS_PER_SPLIT = 256
 
 def shared_prefix_config(head_dim: int, dtype: torch.dtype, num_rows: int) -> dict:
     """Tiles for the shared-prefix launch: the mixed kernel's (the same many-rows x keys
-    work), with BLOCK_M cut down to the rows there are (num_rows = B * GQA per KV head). For
-    16-bit D <= 128, half the mixed kernel's keys per tile and three stages: each program
-    has only a few tiles of the prefix (W3: 512 keys), where a deeper pipeline of smaller
-    tiles starts computing sooner (benchmarks/kernels/cascade_attention.py --sweep on W3's
-    step, H200: the whole cascade 62.3 us against 67.6 with the mixed kernel's tiles)."""
+    work), with BLOCK_M cut down to the rows there are (num_rows = B * GQA per KV head)."""
     cfg = mixed_config(head_dim, dtype, 1)  # GQA 1: BLOCK_Q is then the whole row tile
     block_m = min(cfg["BLOCK_Q"], max(16, next_power_of_2(num_rows)))
-    block_n, stages = cfg["BLOCK_N"], cfg["num_stages"]
-    if dtype.itemsize == 2 and head_dim <= 128:
-        block_n, stages = block_n // 2, stages + 1
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": cfg["num_warps"], "num_stages": stages}
+    return {"BLOCK_M": block_m, "BLOCK_N": cfg["BLOCK_N"], "num_warps": cfg["num_warps"],
+            "num_stages": cfg["num_stages"]}
 
 
 # The own-keys launch's KV heads per program (at most; the largest power of two that divides
