@@ -101,6 +101,21 @@ def test_gpu_projection_shapes(dtype, n, k, num_rows):
     check(num_rows, n, k, dtype, bias=n == 4096)
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+def test_start_up_choice_takes_a_correct_kernel_under_pdl_without_timing(monkeypatch, pdl):
+    import triton.testing
+
+    monkeypatch.setattr(skinny_module, "_beats_cublas", {})
+    monkeypatch.setattr(skinny_module, "pdl_enabled", lambda device: pdl)
+    timings = iter([1.0, 2.0])  # ours, then cuBLAS: ours twice as fast
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **kw: next(timings))
+    assert skinny_module.beats_cublas(torch.randn(24, 40, device=DEVICE)) is True
+    assert next(timings, None) == (1.0 if pdl else None)  # timed only without PDL
+    monkeypatch.setattr(skinny_module, "_beats_cublas", {})
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **kw: 1.0)  # a tie: cuBLAS
+    assert skinny_module.beats_cublas(torch.randn(24, 40, device=DEVICE)) is pdl
+
+
 def test_start_up_choice_refuses_a_kernel_that_disagrees(monkeypatch, caplog):
     # A fast but wrong kernel is never chosen (the check runs before any timing), and says so.
     monkeypatch.setattr(skinny_module, "skinny_matmul", lambda x, w, b: F.linear(x, w, b) * 1.1)
@@ -114,6 +129,7 @@ def test_start_up_choice_refuses_a_kernel_that_disagrees(monkeypatch, caplog):
 def test_gpu_beats_cublas_times_each_shape_once(monkeypatch):
     import triton.testing
 
+    monkeypatch.setattr(skinny_module, "pdl_enabled", lambda device: False)  # with PDL nothing is timed
     timed = []
     real_bench = triton.testing.do_bench_cudagraph
     monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **kw: timed.append(1) or real_bench(fn, **kw))

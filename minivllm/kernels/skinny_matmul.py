@@ -190,23 +190,22 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 _beats_cublas: dict[tuple, bool] = {}
 
-# skinny_matmul is chosen when its time alone is under MARGIN times cuBLAS's: 5 % faster without
-# programmatic dependent launch, up to 10 % slower with it. In a step, a PDL kernel's launch
-# overlaps the kernel before it, which a cuBLAS kernel's cannot (and the kernel after cuBLAS
-# waits for it to end): on an H200, Qwen3-0.6B's batch-1 step with every projection on
-# skinny_matmul took 1.132 ms against 1.163 with cuBLAS kept for the o and down projections,
-# which the 5 % margin gave them.
-MARGIN = 0.95
-MARGIN_WITH_PDL = 1.10
-
 
 def beats_cublas(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether skinny_matmul multiplies one row by this weight (and adds this bias) in under
-    MARGIN times cuBLAS's time on this GPU (MARGIN_WITH_PDL where our kernels launch with
-    PDL): timed once per shape and dtype, each in a CUDA graph.
-    Timing compiles the kernel variant too, so that no step has to. A kernel that disagrees
-    with cuBLAS on the weight is never chosen for being fast: cuBLAS it is, and an error
-    is logged (a kernel bug; tests/test_skinny_matmul.py's GPU tests should show it)."""
+    """Whether skinny_matmul should multiply one row by this weight (and add this bias)
+    instead of cuBLAS on this GPU; decided once per shape and dtype.
+
+    Where our kernels launch with programmatic dependent launch: always. In a step's chain
+    of PDL kernels each launch overlaps the kernel before it, which a cuBLAS kernel's cannot
+    (and the kernel after cuBLAS waits for it to end), so timing each kernel alone does not
+    tell which serves the step better; and those timings, a few microseconds each, swapped
+    the choice between start-ups. On an H200, Qwen3-0.6B's batch-1 step took 1.132 ms with
+    every projection on skinny_matmul against 1.161-1.163 ms with cuBLAS kept for two of
+    the four. Without PDL: when it is at least 5 % faster than cuBLAS, each timed in a
+    CUDA graph.
+    Either way the kernel variant is compiled here, so that no step has to. A kernel that
+    disagrees with cuBLAS on the weight is never chosen: cuBLAS it is, and an error is
+    logged (a kernel bug; tests/test_skinny_matmul.py's GPU tests should show it)."""
     key = (tuple(weight.shape), weight.dtype, weight.device, bias is not None)
     if key not in _beats_cublas:
         x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
@@ -216,11 +215,10 @@ def beats_cublas(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool
             logger.error("skinny_matmul disagrees with F.linear on a %s %s weight (relative error %.2e): "
                          "a kernel bug; using cuBLAS for it.", tuple(weight.shape), weight.dtype, error)
             _beats_cublas[key] = False
-            return False
-        ours, cublas = (triton.testing.do_bench_cudagraph(lambda fn=fn: fn(x, weight, bias), rep=5)
-                        for fn in (skinny_matmul, F.linear))
-        _beats_cublas[key] = ours < (MARGIN_WITH_PDL if pdl_enabled(weight.device) else MARGIN) * cublas
-        logger.debug("batch-1 product by a %s %s weight: skinny_matmul %.2f us, cuBLAS %.2f us: %s",
-                     tuple(weight.shape), weight.dtype, 1e3 * ours, 1e3 * cublas,
-                     "skinny_matmul" if _beats_cublas[key] else "cuBLAS")
+        elif pdl_enabled(weight.device):
+            _beats_cublas[key] = True
+        else:
+            ours, cublas = (triton.testing.do_bench_cudagraph(lambda fn=fn: fn(x, weight, bias), rep=5)
+                            for fn in (skinny_matmul, F.linear))
+            _beats_cublas[key] = ours < 0.95 * cublas
     return _beats_cublas[key]
