@@ -74,20 +74,22 @@ def prepare_step_inputs(batch: ScheduledBatch, host: HostSet, block_size: int,
     row_of_token = np.repeat(np.arange(num_seqs), num_new)
     positions = computed[row_of_token] + np.arange(num_tokens) - query_start_loc[row_of_token]
     buf.positions[:num_tokens] = positions
-    token_ids: list[int] = []
-    pending_dst, pending_src = [], []
-    for seq, start, end in zip(batch.seqs, computed.tolist(), seq_lens.tolist()):
-        known_end = min(end, len(seq.token_ids))
-        token_ids += seq.token_ids[start:known_end]
-        if known_end < end:  # the last input is the pending token of the step in flight
-            pending_dst.append(len(token_ids))
-            pending_src.append(last_sampled_rows[seq.seq_id])
-            token_ids.append(0)
-    buf.input_ids[:num_tokens] = token_ids
-    num_pending = len(pending_dst)
-    buf.pending_dst[:num_pending] = pending_dst
-    buf.pending_src[:num_pending] = pending_src
-    tables = [seq.block_table for seq in batch.seqs]
+    # A sequence's inputs are its tokens computed .. seq_len. The known ones are copied for the
+    # rows that have any (prompt chunks); the last input may still be pending (a decode's one
+    # input, usually): written as 0, the upload copies it from the step in flight's output.
+    seqs = batch.seqs
+    known_end = np.minimum(seq_lens, [len(seq.token_ids) for seq in seqs])
+    input_ids = buf.input_ids
+    for i in np.flatnonzero(known_end > computed).tolist():
+        start, end, dst = int(computed[i]), int(known_end[i]), int(query_start_loc[i])
+        input_ids[dst:dst + end - start] = seqs[i].token_ids[start:end]
+    pending_rows = np.flatnonzero(known_end < seq_lens)
+    num_pending = len(pending_rows)
+    pending_dst = buf.pending_dst[:num_pending]
+    pending_dst[:] = query_start_loc[pending_rows + 1] - 1  # each pending row's last input
+    input_ids[pending_dst] = 0
+    buf.pending_src[:num_pending] = [last_sampled_rows[seqs[i].seq_id] for i in pending_rows.tolist()]
+    tables = [seq.block_table for seq in seqs]
     host.block_tables.write(tables)  # only what changed since this host set last held them
     block_tables = buf.block_tables
     width = max(map(len, tables))
@@ -138,6 +140,7 @@ def shared_prefix_blocks(block_tables: np.ndarray, seq_lens: np.ndarray, block_s
     if len(block_tables) < CASCADE_MIN_SEQS:
         return 0
     limit = int((seq_lens.min() - 1) // block_size)
-    same = (block_tables[:, :limit] == block_tables[0, :limit]).all(axis=0)
-    shared = limit if same.all() else int(same.argmin())
+    equal = block_tables[:, :limit] == block_tables[0, :limit]
+    # (All equal is the common case, and a flat all() is cheaper than one along the rows.)
+    shared = limit if equal.all() else int(equal.all(axis=0).argmin())
     return shared if shared * block_size >= CASCADE_MIN_PREFIX_TOKENS else 0
