@@ -399,8 +399,8 @@ def _own_keys_kernel(
     # of one sequence: its query rows are their HEADS * GQA query heads, and each key tile
     # stacks the same BLOCK_N tokens of every one of those KV heads (row j: head j // BLOCK_N,
     # token j % BLOCK_N; one token's heads are neighbours in a page). A row's scores are kept
-    # only for its own head's keys; the dots do the masked rows' work too, as many
-    # multiply-adds as one program per head padding its GQA rows to 16.
+    # only for its own head's keys; the dots do the masked entries' work too (up to GQA 4, as
+    # many multiply-adds as one program per head, whose GQA rows are padded to 16).
     head_group = tl.program_id(0)
     split = tl.program_id(1)
     seq = tl.program_id(2)
