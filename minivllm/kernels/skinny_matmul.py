@@ -199,10 +199,8 @@ def beats_cublas(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool
     of PDL kernels each launch overlaps the kernel before it, which a cuBLAS kernel's cannot
     (and the kernel after cuBLAS waits for it to end), so timing each kernel alone does not
     tell which serves the step better; and those timings, a few microseconds each, swapped
-    the choice between start-ups. On an H200, Qwen3-0.6B's batch-1 step took 1.132 ms with
-    every projection on skinny_matmul against 1.161-1.163 ms with cuBLAS kept for two of
-    the four. Without PDL: when it is at least 5 % faster than cuBLAS, each timed in a
-    CUDA graph.
+    the choice between start-ups (W2 on an H200 with each choice: benchmarks/RESULTS.md).
+    Without PDL: when it is at least 5 % faster than cuBLAS, each timed in a CUDA graph.
     Either way the kernel variant is compiled here, so that no step has to. A kernel that
     disagrees with cuBLAS on the weight is never chosen: cuBLAS it is, and an error is
     logged (a kernel bug; tests/test_skinny_matmul.py's GPU tests should show it)."""
