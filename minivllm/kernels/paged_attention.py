@@ -252,7 +252,6 @@ def _decode_split_kernel(
     part_lse_ptr,  # [B, Hq, num_parts] fp32: each part's log2-sum-exp2 of scores
     seq_lens_ptr, block_tables_ptr,
     prefix_blocks_ptr,  # [1] int32 (cascade launches): blocks every block table starts with
-    num_seqs,
     scale_log2,
     num_q_heads,
     stride_qn, stride_qh,
@@ -262,6 +261,7 @@ def _decode_split_kernel(
     num_splits,  # programs along the keys of one context
     part_offset,  # this launch's splits are workspace parts part_offset..
     num_parts,  # parts per (sequence, head) row that the reduce merges
+    num_seqs,
     GQA: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query rows per program (a power of two >= 16, the tl.dot M)
     HEAD_DIM: tl.constexpr,
@@ -370,7 +370,8 @@ def _merge_parts(out, lse, part_out_ptr, part_lse_ptr, first_part, num_stored, r
 
 @triton.jit(do_not_specialize=["num_splits", "part_offset", "num_parts"])
 def _own_keys_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,  # as _decode_split_kernel's
+    # The arguments up to num_parts are _decode_split_kernel's (_split_launch_args).
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     seq_lens_ptr, block_tables_ptr,
     prefix_blocks_ptr,  # [1] int32: the shared prefix's blocks, which this launch skips
     scale_log2,
@@ -710,6 +711,29 @@ def _decode_workspace(part_out, part_lse, rows: int, q: torch.Tensor):
     return part_out, part_lse
 
 
+def _split_launch_args(
+    q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables,
+    prefix_blocks: torch.Tensor | None,  # [1] int32 on the device: the shared prefix's blocks (cascade)
+    scale: float,
+    num_splits: int,
+    part_offset: int,  # this launch's splits are workspace parts part_offset..
+    num_parts: int,
+) -> tuple:
+    """The leading arguments of _decode_split_kernel and _own_keys_kernel (the same in both),
+    in order. (Positional: a launch's Python cost is paid by every eager step.)"""
+    return (q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables,
+            seq_lens if prefix_blocks is None else prefix_blocks,  # (a placeholder pointer when unused)
+            scale * LOG2E,
+            q.shape[1],
+            q.stride(0), q.stride(1),
+            out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0),
+            num_splits,
+            part_offset,
+            num_parts)
+
+
 def _launch_decode_split(
     q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables,
     mode: int,  # DECODE_PLAIN or DECODE_SHARED_PREFIX
@@ -731,19 +755,9 @@ def _launch_decode_split(
         block_m = max(16, next_power_of_2(gqa))
         num_row_tiles = num_seqs
     _decode_split_kernel[(num_kv_heads, num_splits, num_row_tiles)](
-        q, k_cache, v_cache, out, part_out, part_lse,
-        seq_lens, block_tables,
-        seq_lens if prefix_blocks is None else prefix_blocks,  # (a placeholder pointer when unused)
+        *_split_launch_args(q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables,
+                            prefix_blocks, scale, num_splits, part_offset, num_parts),
         num_seqs,
-        scale * LOG2E,
-        num_q_heads,
-        q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
-        num_splits,
-        part_offset,
-        num_parts,
         GQA=gqa,
         BLOCK_M=block_m,
         HEAD_DIM=head_dim,
@@ -774,17 +788,8 @@ def _launch_own_keys(
     heads = cfg["HEADS"]
     assert num_kv_heads % heads == 0, f"HEADS={heads} must divide the {num_kv_heads} KV heads"
     _own_keys_kernel[(num_kv_heads // heads, num_splits, num_seqs)](
-        q, k_cache, v_cache, out, part_out, part_lse,
-        seq_lens, block_tables, prefix_blocks,
-        scale * LOG2E,
-        num_q_heads,
-        q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
-        num_splits,
-        part_offset,
-        num_parts,
+        *_split_launch_args(q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables,
+                            prefix_blocks, scale, num_splits, part_offset, num_parts),
         GQA=gqa,
         HEADS=heads,
         BLOCK_M=max(16, next_power_of_2(heads * gqa)),
