@@ -613,9 +613,8 @@ def paged_attention_mixed(
 
 
 # Split-KV heuristic, tuned on an H200 (benchmarks/kernels/attention_kernels.py --sweep, and
-# W1's decode batches in benchmarks/kernels/decode_w1.py). With the default tiles (39 KB
-# shared memory, ~120 registers) 4 programs fit on an SM at once, but aiming for 3 is faster
-# on W1: an extra split costs more than the short launch tail it removes.
+# W1's decode batches in benchmarks/kernels/decode_w1.py): aiming for 3 programs per SM beats
+# aiming for 6 on W1 (an extra split costs more than the short launch tail it removes).
 DECODE_PROGRAMS_PER_SM = 3  # aim for this many (seq, kv head, split) programs per SM
 DECODE_MIN_TOKENS_PER_SPLIT = 128  # a split shorter than this costs more than it saves
 DECODE_MAX_SPLITS = 32
@@ -624,11 +623,13 @@ DECODE_MAX_SPLITS = 32
 def decode_config(head_dim: int, dtype: torch.dtype) -> dict:
     """Tile sizes for the split-KV decode kernel (memory-bound: K/V tiles in flight matter).
 
-    Tuned for bf16 D=128 on an H200 (256 sequences of ~1,000 tokens); the wider rows keep
-    about the same bytes per K/V tile."""
+    Tuned for D=128 on an H200 over W1's decode batches (benchmarks/kernels/decode_w1.py):
+    128-key tiles in two stages read faster than 64-key tiles in three, for bf16 and FP8
+    caches alike; 8 warps or more splits are slower. The wider rows keep about the same
+    bytes per K/V tile."""
     row_bytes = head_dim * dtype.itemsize
     if row_bytes <= 256:
-        return dict(BLOCK_N=64, num_warps=4, num_stages=3)
+        return dict(BLOCK_N=128, num_warps=4, num_stages=2)
     if row_bytes <= 512:
         return dict(BLOCK_N=32, num_warps=4, num_stages=3)
     return dict(BLOCK_N=16, num_warps=4, num_stages=2)
@@ -845,14 +846,14 @@ OWN_KEYS_MAX_HEADS = 4
 
 def own_keys_config(head_dim: int, dtype: torch.dtype, num_kv_heads: int) -> dict:
     """Tiles for the cascade's own-keys launch (_own_keys_kernel): HEADS KV heads per program,
-    key tiles of decode_config()'s BLOCK_N rows (HEADS * the tile's tokens), three stages.
+    key tiles of 64 rows at D=128 (HEADS * the tile's tokens; 16 KB of 16-bit keys), three stages.
     Tuned on W3's decode step (256 sequences of 64-192 own tokens, bf16, D=128, 8 KV heads,
     H200): 4 heads x 16 tokens beat 8 x 8, 8 x 16, 2 x 32 and the one-head programs of
     _decode_split_kernel (benchmarks/kernels/cascade_attention.py --sweep)."""
     heads = OWN_KEYS_MAX_HEADS
     while num_kv_heads % heads:
         heads //= 2
-    key_rows = decode_config(head_dim, dtype)["BLOCK_N"]
+    key_rows = max(16, min(64, 16384 // (head_dim * dtype.itemsize)))
     return {"HEADS": heads, "BLOCK_N": max(1, key_rows // heads), "num_warps": 4, "num_stages": 3}
 
 
