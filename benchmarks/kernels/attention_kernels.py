@@ -14,8 +14,9 @@ pages shuffled across the cache as after a long serving run.
   first version, a uint8 copy, read 2.78 TB/s, well below BENCH.md's figure).
 * A chunked-prefill step (255 decodes + one 2048-token chunk): the backend's split
   (decodes -> decode kernel) against the mixed kernel doing everything.
-* Mixed kernel: one 8192-token prompt chunk (causal, no cached prefix), in TFLOP/s
-  (4 * Hq * D * visible (query, key) pairs), beside torch SDPA on the same contiguous K/V.
+* Mixed kernel, in TFLOP/s (4 * Hq * D * visible (query, key) pairs): one 8192-token prompt
+  (causal, no cached prefix; beside torch SDPA on the same contiguous K/V), W2's 1024-token
+  prompt, and a W1 prompt step (8192 tokens of whole prompts of W1's lengths, 100-1024).
 """
 
 import random
@@ -24,7 +25,7 @@ import torch
 import triton
 import triton.testing
 
-from benchmarks.common import kernel_benchmark_args, shuffled_block_tables
+from benchmarks.common import kernel_benchmark_args, shuffled_block_tables, w1_requests
 from minivllm.kernels import paged_attention as pa
 from minivllm.kernels import sm_count
 
@@ -98,18 +99,22 @@ def bench_decode(name, seq_lens, sweep):
               f"{100 * kv_bytes / t_graph / PEAK_BW:5.1f}% of 4.24) {tag}", flush=True)
 
 
-def bench_mixed(sweep):
-    n = 8192
-    k_cache, v_cache, lens, table = build([n])
+def bench_mixed(name, prompt_lens, sweep, sdpa=False):
+    """The mixed kernel over whole prompts (no cached prefix) of these lengths, in one launch."""
+    k_cache, v_cache, lens, table = build(prompt_lens)
+    starts = [0]
+    for n in prompt_lens:
+        starts.append(starts[-1] + n)
+    n = starts[-1]
     q = torch.randn(n, HQ, D, dtype=DTYPE, device="cuda")
-    qsl = torch.tensor([0, n], dtype=torch.int32, device="cuda")
-    flops = 4 * HQ * D * (n * (n + 1) // 2)
-    print(f"\n== mixed kernel: one {n}-token prompt, causal ({flops / 1e9:.0f} GFLOP)", flush=True)
+    qsl = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    flops = sum(4 * HQ * D * (p * (p + 1) // 2) for p in prompt_lens)
+    print(f"\n== mixed kernel: {name}, causal ({flops / 1e9:.0f} GFLOP)", flush=True)
     default_cfg = pa.mixed_config(D, DTYPE, HQ // HKV)
     variants = [default_cfg]
     if sweep:
         for bq, bn, w, s in [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3),
-                             (64, 32, 8, 4), (32, 128, 8, 2)]:
+                             (64, 32, 8, 4), (32, 128, 8, 2), (32, 64, 4, 2), (16, 64, 4, 3)]:
             variants.append(dict(BLOCK_Q=bq, BLOCK_N=bn, num_warps=w, num_stages=s))
     ref = None
     for cfg in variants:
@@ -119,20 +124,34 @@ def bench_mixed(sweep):
             ref = out.clone()
         else:
             assert torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2), "variant disagrees"
-        t, _ = time_fn(fn)
-        print(f"   {cfg}: {t * 1e3:7.3f} ms, {flops / t / 1e12:6.1f} TFLOP/s", flush=True)
-    # Reference point: SDPA (FlashAttention) on the same keys laid out contiguously.
+        t, t_graph = time_fn(fn)
+        print(f"   {cfg}: {t * 1e6:8.1f} us eager, {t_graph * 1e6:8.1f} us graph, "
+              f"{flops / t_graph / 1e12:6.1f} TFLOP/s (graph)", flush=True)
+    if not sdpa:
+        return
+    # Reference point: SDPA (FlashAttention) on the same keys laid out contiguously (one prompt).
+    assert len(prompt_lens) == 1, "the SDPA reference is for one prompt"
     blocks = table[0, : triton.cdiv(n, BLOCK)].long()
     # KV heads repeated for the GQA groups, so that the FlashAttention backend is eligible.
     k = k_cache[blocks].reshape(-1, HKV, D)[:n].repeat_interleave(HQ // HKV, 1).transpose(0, 1)[None].contiguous()
     v = v_cache[blocks].reshape(-1, HKV, D)[:n].repeat_interleave(HQ // HKV, 1).transpose(0, 1)[None].contiguous()
     qq = q.transpose(0, 1)[None].contiguous()
-    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+    sdpa_fn = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
         qq, k, v, is_causal=True, scale=D ** -0.5)
-    diff = (sdpa()[0].transpose(0, 1).float() - ref.float()).abs().max().item()
-    t, _ = time_fn(sdpa)
+    diff = (sdpa_fn()[0].transpose(0, 1).float() - ref.float()).abs().max().item()
+    t, _ = time_fn(sdpa_fn)
     print(f"   torch SDPA (contiguous K/V): {t * 1e3:7.3f} ms, {flops / t / 1e12:6.1f} TFLOP/s "
           f"(max |diff| vs ours {diff:.3g})", flush=True)
+
+
+def w1_prompt_step(budget: int = 8192) -> list[int]:
+    """Whole W1 prompts (BENCH.md's lengths, in order) while they fit in one step's budget."""
+    lens = []
+    for r in w1_requests():
+        if sum(lens) + len(r.prompt_token_ids) > budget:
+            break
+        lens.append(len(r.prompt_token_ids))
+    return lens
 
 
 def bench_mixed_step():
@@ -171,7 +190,10 @@ def main():
     gen = random.Random(0)
     bench_decode("batch 256, ctx ~1000", [gen.randint(800, 1200) for _ in range(256)], args.sweep)
     bench_decode("batch 1, ctx 1024", [1024], args.sweep)
-    bench_mixed(args.sweep)
+    bench_mixed("one 8192-token prompt", [8192], args.sweep, sdpa=True)
+    bench_mixed("W2's 1024-token prompt", [1024], args.sweep)
+    w1_lens = w1_prompt_step()
+    bench_mixed(f"a W1 prompt step ({len(w1_lens)} prompts, {sum(w1_lens)} tokens)", w1_lens, args.sweep)
     bench_mixed_step()
 
 
