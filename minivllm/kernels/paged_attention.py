@@ -625,8 +625,8 @@ def decode_config(head_dim: int, dtype: torch.dtype) -> dict:
 
     Tuned for D=128 on an H200 over W1's decode batches (benchmarks/kernels/decode_w1.py):
     128-key tiles in two stages read faster than 64-key tiles in three, for bf16 and FP8
-    caches alike; 8 warps or more splits are slower. The wider rows keep about the same
-    bytes per K/V tile."""
+    caches alike; 8 warps or more splits are slower. Rows over 256 bytes (D=256, or
+    fp32 at D=128) keep 16 KB K/V tiles (not re-tuned)."""
     row_bytes = head_dim * dtype.itemsize
     if row_bytes <= 256:
         return dict(BLOCK_N=128, num_warps=4, num_stages=2)
