@@ -64,9 +64,9 @@ class CascadeBatch:
             self.q, self.k_cache, self.v_cache, self.seq_lens, self.block_tables,
             self.num_prefix_blocks, self.scale, **kwargs)
 
-    def plain(self, num_splits: int = 1) -> torch.Tensor:
+    def plain(self, num_splits: int = 1, config: dict | None = None) -> torch.Tensor:
         return pa.paged_attention_decode(self.q, self.k_cache, self.v_cache, self.seq_lens,
-                                         self.block_tables, self.scale, num_splits)
+                                         self.block_tables, self.scale, num_splits, config=config)
 
     def reference(self) -> torch.Tensor:
         """Per sequence: its one query over all its keys, in float64."""
@@ -174,11 +174,11 @@ def test_reduce_over_more_parts_than_one_step():
 
 def test_empty_prefix_is_plain_decode():
     """With no shared prefix the cascade is the own-keys launch alone: the plain decode's
-    result, up to the rounding of its other key tiles."""
+    result, exactly, over key tiles as wide as the own-keys launch's (one KV head here)."""
     batch = CascadeBatch([5, 20], 0, 8, 2, 1, 64, torch.float32)
-    out = batch.cascade(suffix_splits=2)
-    batch.check(out)
-    torch.testing.assert_close(out, batch.plain(num_splits=2), atol=1e-6, rtol=1e-6)
+    own_keys_tile = pa.own_keys_config(64, torch.float32, 1)["BLOCK_N"]
+    plain_config = pa.decode_config(64, torch.float32) | {"BLOCK_N": own_keys_tile}
+    assert torch.equal(batch.cascade(suffix_splits=2), batch.plain(num_splits=2, config=plain_config))
 
 
 def test_backend_takes_cascade_path(monkeypatch):
