@@ -198,8 +198,8 @@ def beats_cublas(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool
     Where our kernels launch with programmatic dependent launch: always. In a step's chain
     of PDL kernels each launch overlaps the kernel before it, which a cuBLAS kernel's cannot
     (and the kernel after cuBLAS waits for it to end), so timing each kernel alone does not
-    tell which serves the step better; and those timings, a few microseconds each, swapped
-    the choice between start-ups (W2 on an H200 with each choice: benchmarks/RESULTS.md).
+    tell which serves the step better, and timings of a few microseconds are too noisy to
+    choose by (W2 on an H200 with each choice: benchmarks/RESULTS.md).
     Without PDL: when it is at least 5 % faster than cuBLAS, each timed in a CUDA graph.
     Either way the kernel variant is compiled here, so that no step has to. A kernel that
     disagrees with cuBLAS on the weight is never chosen: cuBLAS it is, and an error is
