@@ -103,6 +103,9 @@ def engine_calls() -> dict[str, Callable[[], Any]]:
         calls[f"mixed attention, {cache_name}"] = lambda q=q, k_cache=k_cache, v_cache=v_cache: \
             paged_attention.paged_attention_mixed(q, k_cache, v_cache, qsl, seq_lens, block_tables, 0.088,
                                                   first_seq=2, first_token=2)
+        calls[f"mixed attention, short prompts, {cache_name}"] = lambda q=q, k_cache=k_cache, v_cache=v_cache: \
+            paged_attention.paged_attention_mixed(q, k_cache, v_cache, qsl, seq_lens, block_tables, 0.088,
+                                                  first_seq=2, first_token=2, max_query_len=40)
         decode_q = torch.zeros(num_seqs, hq, d, dtype=bf16)
         for splits in (1, 4):
             calls[f"decode, {splits} splits, {cache_name}"] = lambda decode_q=decode_q, k_cache=k_cache, \

@@ -118,7 +118,8 @@ class TritonAttentionBackend:
         if num_decodes < num_seqs:
             paged_attention_mixed(
                 q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                scale, out=out, first_seq=num_decodes, first_token=qsl[num_decodes] if qsl else 0)
+                scale, out=out, first_seq=num_decodes, first_token=qsl[num_decodes] if qsl else 0,
+                max_query_len=meta.max_query_len)
         return out
 
     def _decode(self, q, k_cache, v_cache, seq_lens, block_tables, max_seq_len, num_shared_prefix_blocks,

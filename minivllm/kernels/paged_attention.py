@@ -528,16 +528,26 @@ def _check_inputs(q, k_cache, v_cache, block_tables):
     return num_q_heads, num_kv_heads, head_dim, block_size
 
 
-def mixed_config(head_dim: int, dtype: torch.dtype, gqa: int) -> dict:
+# Query chunks up to this long take the mixed kernel's short-prompt tiles (mixed_config).
+SHORT_PROMPT_TOKENS = 1024
+
+
+def mixed_config(head_dim: int, dtype: torch.dtype, gqa: int, max_query_len: int | None = None) -> dict:
     """Tile sizes for the mixed kernel: BLOCK_M = BLOCK_Q * GQA_PAD query rows per program.
 
     Shared memory per program is ~ (BLOCK_M + 2 * stages * BLOCK_N) * D * bytes and must
-    stay under the H100/H200's 227 KB. The bf16/fp16 D <= 128 tiles were tuned on an
-    8192-token causal prompt (bf16, D=128) on an H200.
+    stay under the H100/H200's 227 KB. The bf16/fp16 D <= 128 tiles were tuned on an H200
+    (bf16, D=128): on an 8192-token causal prompt, and, for steps whose query chunks are at
+    most SHORT_PROMPT_TOKENS long (max_query_len), on a 1,024-token prompt and on a step of
+    W1's prompts. Short chunks leave each program only a few key tiles: smaller tiles give
+    more programs and less masked work in the causal triangle.
     """
     elt = dtype.itemsize
     row_bytes = head_dim * elt
-    if elt == 2 and head_dim <= 128:  # bf16/fp16, D <= 128: 164 KB at D=128
+    short = max_query_len is not None and max_query_len <= SHORT_PROMPT_TOKENS
+    if elt == 2 and head_dim <= 128 and short:  # bf16/fp16, D <= 128, short chunks
+        block_m, block_n, warps, stages = 64, 64, 4, 2
+    elif elt == 2 and head_dim <= 128:  # bf16/fp16, D <= 128: 164 KB at D=128
         block_m, block_n, warps, stages = 128, 128, 8, 2
     elif row_bytes <= 512:  # bf16 D=256, fp32 D<=128
         block_m, block_n, warps, stages = 64, 32, 4, 2
@@ -560,6 +570,7 @@ def paged_attention_mixed(
     config: dict | None = None,
     first_seq: int = 0,
     first_token: int = 0,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [N, Hq, D] over the paged cache, for any mix of prompt chunks
     (with or without a cached prefix) and decode rows. The new tokens' K/V must already be
@@ -569,7 +580,9 @@ def paged_attention_mixed(
     first_seq > 0: compute only sequences first_seq..B-1 (rows first_token.. of out; other
     rows are left as they are); first_token must equal query_start_loc[first_seq], given
     as a host int so that nothing synchronises.
-    `config` overrides mixed_config() (keys BLOCK_Q, BLOCK_N, num_warps, num_stages).
+    max_query_len: the longest sequence's new tokens, if known on the host (it picks the
+    tiles, see mixed_config). `config` overrides mixed_config() (keys BLOCK_Q, BLOCK_N,
+    num_warps, num_stages).
     """
     num_q_heads, num_kv_heads, head_dim, block_size = _check_inputs(q, k_cache, v_cache, block_tables)
     num_tokens = q.shape[0]
@@ -580,7 +593,7 @@ def paged_attention_mixed(
     if num_tokens == 0 or num_seqs <= 0:
         return out
     gqa = num_q_heads // num_kv_heads
-    cfg = mixed_config(head_dim, q.dtype, gqa) if config is None else config
+    cfg = mixed_config(head_dim, q.dtype, gqa, max_query_len) if config is None else config
     block_q = cfg["BLOCK_Q"]
     # Tiles are numbered query_start_loc[b] // BLOCK_Q + b (see _find_seq): the last one is
     # below num_tokens // BLOCK_Q + B, the first is first_token // BLOCK_Q.
