@@ -125,6 +125,7 @@ class ModelRunner:
         big prompt step of a run waits for cudaMalloc."""
         config = self.config
         self._run_step_and_sampler(self._largest_step(self.num_blocks))
+        self._warm_up_logits()
         if config.kernels == "triton":
             choose_small_batch_kernels(self.model)
             if not config.enforce_eager:
@@ -200,6 +201,17 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[:1].expand(self.config.max_num_seqs, -1))
         if logits is not None:
             torch.softmax(logits.float(), dim=-1).sort(dim=-1)
+
+    @torch.inference_mode()
+    def _warm_up_logits(self) -> None:
+        """The LM head once at every row count a step can sample (1..max_num_seqs). It runs
+        outside the CUDA graphs and cuBLAS picks its kernel by row count, while CUDA loads a
+        kernel only at its first launch (lazy loading): a row count first met in a run would
+        stall that step while its kernel loads."""
+        rows = self.config.max_num_seqs
+        hidden = torch.zeros(rows, self.config.hf_config.hidden_size, dtype=self.dtype, device=self.device)
+        for num_rows in range(1, rows + 1):
+            self.model.compute_logits(hidden[:num_rows])
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = allocate_kv_cache(self.model.attention_layers(), self.backend, num_blocks,
