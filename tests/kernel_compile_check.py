@@ -9,11 +9,15 @@ with Triton's own compiler and ptxas for sm_90. Prints one line per launch: the 
 registers and stack bytes (a stack means spills). Exit status 1 if any launch fails to compile.
 
     python -m tests.kernel_compile_check
+    python -m tests.kernel_compile_check --sass decode   # + SASS opcode counts of launches matching "decode"
 
 Runs without TRITON_INTERPRET (under it, kernels are not compiled at all).
 """
 
+import argparse
+import collections
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -64,15 +68,28 @@ def compile_launch(kernel: JITFunction, args: tuple, kwargs: dict[str, Any]) -> 
                           options=options.__dict__).asm
 
 
-def resource_usage(cubin: bytes) -> str:
-    """cuobjdump's resource line (REG, STACK, ...) for a cubin, with Triton's copy of the tool."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+def _run_tool(name: str, args: list[str], cubin: bytes) -> str:
+    """stdout of one of Triton's copies of the CUDA binary tools, run on a cubin."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([tool, *args, f.name], capture_output=True, text=True).stdout
+
+
+def resource_usage(cubin: bytes) -> str:
+    """cuobjdump's resource line (REG, STACK, ...) for a cubin."""
+    out = _run_tool("cuobjdump", ["--dump-resource-usage"], cubin)
     lines = [line.strip() for line in out.splitlines() if "REG:" in line]
     return " ".join(lines[0].split()[:3]) if lines else "(no resource line)"
+
+
+def sass_opcodes(cubin: bytes) -> collections.Counter[str]:
+    """How often each SASS opcode (with its modifiers, e.g. LDS.U8) occurs in a cubin's code:
+    where a kernel spends instructions (byte-wise shared loads, conversions, address math)."""
+    opcode = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+    return collections.Counter(m.group(1) for line in _run_tool("nvdisasm", ["-c"], cubin).splitlines()
+                               if (m := opcode.match(line)))
 
 
 def engine_calls() -> dict[str, Callable[[], Any]]:
@@ -134,11 +151,19 @@ def engine_calls() -> dict[str, Callable[[], Any]]:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sass", metavar="TEXT", help="print SASS opcode counts of the launches whose label "
+                        "contains TEXT")
+    sass_filter = parser.parse_args().sass
     failures = 0
     for label, kernel, args, kwargs in capture_launches(engine_calls()):
         try:
-            usage = resource_usage(compile_launch(kernel, args, kwargs)["cubin"])
-            print(f"ok    {label}: {kernel.fn.__name__} {usage}")
+            cubin = compile_launch(kernel, args, kwargs)["cubin"]
+            print(f"ok    {label}: {kernel.fn.__name__} {resource_usage(cubin)}")
+            if sass_filter is not None and sass_filter in label:
+                counts = sass_opcodes(cubin)
+                print(f"      {sum(counts.values())} instructions:",
+                      ", ".join(f"{op} {n}" for op, n in counts.most_common(30)))
         except Exception as error:  # noqa: BLE001 - every failure is reported, then counted
             failures += 1
             print(f"FAIL  {label}: {kernel.fn.__name__}: {type(error).__name__}: {str(error)[:2000]}")
