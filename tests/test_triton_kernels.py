@@ -95,33 +95,32 @@ LAYOUTS = {  # name: (num_q_heads, num_kv_heads, head_dim, block_size, dtype)
 }
 
 
-@pytest.mark.parametrize("case", list(MIXED_CASES))
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_mixed(case, layout):
+def check_mixed(case: str, layout: str, max_query_len: int | None = None) -> None:
+    """The mixed kernel on a MIXED_CASES batch in a LAYOUTS layout, against the reference."""
     q_lens, seq_lens, share = MIXED_CASES[case]
     num_q_heads, num_kv_heads, head_dim, block_size, dtype = LAYOUTS[layout]
     qsl, lens, table, num_blocks = make_batch(q_lens, seq_lens, block_size, share)
     k_cache, v_cache = random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
     q = random_q(sum(q_lens), num_q_heads, head_dim, dtype)
     scale = head_dim ** -0.5
-    out = paged_attention.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, scale)
+    out = paged_attention.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, scale,
+                                                max_query_len=max_query_len)
     check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, scale), dtype)
+
+
+@pytest.mark.parametrize("case", list(MIXED_CASES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_mixed(case, layout):
+    check_mixed(case, layout)
 
 
 @pytest.mark.parametrize("case", list(MIXED_CASES))
 def test_mixed_short_prompt_tiles(case):
     """The tiles mixed_config picks for short query chunks (fp16, D = 128), from max_query_len."""
-    q_lens, seq_lens, share = MIXED_CASES[case]
-    num_q_heads, num_kv_heads, head_dim, block_size, dtype = LAYOUTS["gqa2-d128-fp16"]
-    assert (paged_attention.mixed_config(head_dim, dtype, 2, max(q_lens))
-            != paged_attention.mixed_config(head_dim, dtype, 2))
-    qsl, lens, table, num_blocks = make_batch(q_lens, seq_lens, block_size, share)
-    k_cache, v_cache = random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
-    q = random_q(sum(q_lens), num_q_heads, head_dim, dtype)
-    scale = head_dim ** -0.5
-    out = paged_attention.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, scale,
-                                                max_query_len=max(q_lens))
-    check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, scale), dtype)
+    max_query_len = max(MIXED_CASES[case][0])
+    assert (paged_attention.mixed_config(128, torch.float16, 2, max_query_len)
+            != paged_attention.mixed_config(128, torch.float16, 2))
+    check_mixed(case, "gqa2-d128-fp16", max_query_len)
 
 
 @pytest.mark.parametrize("gqa", [3, 4])

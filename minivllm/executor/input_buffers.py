@@ -3,8 +3,8 @@
 Input preparation writes numpy views of the host arrays. Every field lives in one byte
 buffer, on the host and on the device alike (the same offsets), so a step's inputs go to
 the device in one non-blocking copy: from the start of the buffer to the end of the last
-row a step uses, unused tails of earlier fields included. (Each copy is a stream operation
-of a couple of microseconds before the step's kernels; one per field cost ten.) The fields
+row a step uses, unused tails of earlier fields included (each copy is a stream operation
+of a couple of microseconds ahead of the step's kernels, so one, not one per field). The fields
 are laid out small first and block_tables last, so a decode step's copy stays short. The
 device tensors never move, so CUDA graphs captured on slices of them read each step's
 inputs. There are two host sets, used in turn: the host prepares step N+1 while step N's
@@ -109,23 +109,25 @@ class HostSet:
 _ALIGN = 64
 
 
+def _nbytes(spec: FieldSpec) -> int:
+    shape, dtype = spec
+    return int(np.prod(shape)) * dtype.itemsize
+
+
 def _layout(specs: StepFields[FieldSpec]) -> tuple[StepFields[int], int]:
     """Each field's byte offset, smallest fields first, and the buffer's size."""
-    def nbytes(spec: FieldSpec) -> int:
-        return int(np.prod(spec[0])) * spec[1].itemsize
     offsets, end = {}, 0
-    for name, spec in sorted(specs.items(), key=lambda item: nbytes(item[1])):
+    for name, spec in sorted(specs.items(), key=lambda item: _nbytes(item[1])):
         offsets[name] = end
-        end += -(-nbytes(spec) // _ALIGN) * _ALIGN
+        end += -(-_nbytes(spec) // _ALIGN) * _ALIGN
     return StepFields(**offsets), end
 
 
 def _views(buffer: torch.Tensor, specs: StepFields[FieldSpec], offsets: StepFields[int]) -> StepFields[torch.Tensor]:
     """Each field as a typed tensor over its bytes of the buffer."""
     def view(name: str, spec: FieldSpec) -> torch.Tensor:
-        shape, dtype = spec
         start = getattr(offsets, name)
-        return buffer[start:start + int(np.prod(shape)) * dtype.itemsize].view(dtype).view(shape)
+        return buffer[start:start + _nbytes(spec)].view(spec[1]).view(spec[0])
     return StepFields(**{name: view(name, spec) for name, spec in specs.items()})
 
 

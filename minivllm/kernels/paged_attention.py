@@ -544,11 +544,9 @@ def mixed_config(head_dim: int, dtype: torch.dtype, gqa: int, max_query_len: int
     """
     elt = dtype.itemsize
     row_bytes = head_dim * elt
-    short = max_query_len is not None and max_query_len <= SHORT_PROMPT_TOKENS
-    if elt == 2 and head_dim <= 128 and short:  # bf16/fp16, D <= 128, short chunks
-        block_m, block_n, warps, stages = 64, 64, 4, 2
-    elif elt == 2 and head_dim <= 128:  # bf16/fp16, D <= 128: 164 KB at D=128
-        block_m, block_n, warps, stages = 128, 128, 8, 2
+    if elt == 2 and head_dim <= 128:  # bf16/fp16, D <= 128: 164 KB at D=128 (80 KB short)
+        short = max_query_len is not None and max_query_len <= SHORT_PROMPT_TOKENS
+        block_m, block_n, warps, stages = (64, 64, 4, 2) if short else (128, 128, 8, 2)
     elif row_bytes <= 512:  # bf16 D=256, fp32 D<=128
         block_m, block_n, warps, stages = 64, 32, 4, 2
     else:  # fp32 D=256
