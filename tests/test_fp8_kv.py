@@ -11,6 +11,8 @@ import random
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import minivllm.kernels.paged_attention as pa
 from minivllm.attention.torch_backend import store_kv, to_cache_dtype
@@ -229,3 +231,22 @@ def test_gpu_fp8_triton_kernels_match_torch_on_the_engine(tiny_model_factory) ->
 def test_unknown_kv_cache_dtype_is_refused(tiny_model_factory) -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype 'int4' is not supported"):
         fp8_llm(tiny_model_factory("Qwen3ForCausalLM"), kv_cache_dtype="int4")
+
+
+@triton.jit
+def _widen_kernel(src, dst, ROWS: tl.constexpr, D: tl.constexpr):
+    rows = tl.arange(0, ROWS)
+    tile = pa._load_e4m3_as_f16(src, rows * D, rows < ROWS, ROWS, D, False)
+    tl.store(dst + rows[:, None] * D + tl.arange(0, D)[None, :], tile)
+
+
+def test_value_tiles_widen_every_e4m3_value_exactly() -> None:
+    """The value tiles' FP8 -> fp16 widening (4-byte words; bit moves in the interpreter, the
+    hardware conversion on a GPU) against torch's, for all 254 e4m3 values but NaN, signed zeros
+    included, in every byte position of a word."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # 0x7F, 0xFF: NaN
+    tile = torch.cat([codes, codes.flip(0), codes[:4]]).view(32, 16).view(FP8).to(DEVICE)  # 512 bytes
+    out = torch.zeros(32, 16, dtype=torch.float16, device=DEVICE)
+    _widen_kernel[(1,)](tile, out, 32, 16)
+    assert torch.equal(out.view(torch.int16), tile.to(torch.float16).view(torch.int16))

@@ -39,6 +39,8 @@ only on tensor shapes and on the `max_seq_len` argument (for decode); actual len
 read from seq_lens on the device.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -47,6 +49,7 @@ from minivllm.kernels import cdiv, dot_precision, next_power_of_2, split_count
 from minivllm.kernels.pdl import pdl_options, wait_for_previous_kernel
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2 (exp2 is the native instruction)
+_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # kernels running as Python
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -61,6 +64,50 @@ def dot_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> tl.dtype:
     if cache_dtype == torch.float8_e4m3fn and q_dtype == torch.bfloat16:
         return tl.float16
     return _TL_DTYPES[q_dtype]
+
+
+@triton.jit
+def _e4m3_bits_to_f16(b):
+    # An e4m3 byte (in an int32) as fp16: sign, exponent and mantissa moved into fp16's places
+    # give the value / 256 (exponent biases 7 and 15; subnormals included), so scale back.
+    return (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True) * 256.0
+
+
+@triton.jit
+def _load_e4m3_as_f16(ptr, row_offs, row_valid, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr):
+    """A [ROWS, HEAD_DIM] tile of an FP8 (e4m3) cache, rows at element offsets row_offs,
+    widened to fp16. For the value tile of P @ V: the dot reads V along its rows, and
+    Hopper has no transposing shared-memory load for 8-bit data, so a plain fp8 load would
+    be read back from shared memory a byte at a time. Loaded as 4-byte words and widened
+    in registers, the fp16 tile goes through the transposing 16-bit load instead. Rows with
+    row_valid False read zeros (if MASK)."""
+    words_ptr = ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    offs_w = tl.arange(0, HEAD_DIM // 4)
+    ptrs = words_ptr + (row_offs // 4)[:, None] + offs_w[None, :]  # rows start 4-byte aligned (D >= 16)
+    if MASK:
+        w = tl.load(ptrs, mask=row_valid[:, None], other=0)
+    else:
+        w = tl.load(ptrs)
+    if _INTERPRET:  # inline PTX does not run in Triton's interpreter
+        b0 = _e4m3_bits_to_f16(w & 0xFF)
+        b1 = _e4m3_bits_to_f16((w >> 8) & 0xFF)
+        b2 = _e4m3_bits_to_f16((w >> 16) & 0xFF)
+        b3 = _e4m3_bits_to_f16((w >> 24) & 0xFF)
+    else:
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 lo, hi;
+            .reg .b32 a, b;
+            mov.b32 {lo, hi}, $4;
+            cvt.rn.f16x2.e4m3x2 a, lo;
+            cvt.rn.f16x2.e4m3x2 b, hi;
+            mov.b32 {$0, $1}, a;
+            mov.b32 {$2, $3}, b;
+            }""",
+            constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=1)
+    # join adds a last axis: [.., 2] of (b0, b2) then of that and (b1, b3) gives b0 b1 b2 b3.
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (ROWS, HEAD_DIM))
 
 
 # ----------------------------------------------------------------------------------------
@@ -119,11 +166,14 @@ def _attend_kv_tiles(
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
-        if MASK_KV:
-            v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_valid[:, None], other=0.0)
+        if v_cache_ptr.dtype.element_ty == tl.float8e4nv:
+            v = _load_e4m3_as_f16(v_cache_ptr, kv_offs, kv_valid, BLOCK_N, HEAD_DIM, MASK_KV).to(q.dtype)
         else:
-            v = tl.load(v_cache_ptr + kv_ptrs)
-        v = v.to(q.dtype)
+            if MASK_KV:
+                v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_valid[:, None], other=0.0)
+            else:
+                v = tl.load(v_cache_ptr + kv_ptrs)
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, l_i, m_i
 
@@ -443,7 +493,10 @@ def _own_keys_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-        v = tl.load(v_cache_ptr + kv_ptrs, mask=valid[:, None], other=0.0).to(DOT_DTYPE)
+        if v_cache_ptr.dtype.element_ty == tl.float8e4nv:
+            v = _load_e4m3_as_f16(v_cache_ptr, kv_offs, valid, HEADS * BLOCK_N, HEAD_DIM, True).to(DOT_DTYPE)
+        else:
+            v = tl.load(v_cache_ptr + kv_ptrs, mask=valid[:, None], other=0.0).to(DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
 
     empty = l_i == 0.0  # no own keys in this split (or a padded row): no weight in the merge
