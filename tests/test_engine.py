@@ -317,3 +317,19 @@ def test_startup_heap_frozen_and_a_deleted_engine_freed(model_dir: str) -> None:
     gc.collect()
     assert engine() is None
     assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("name, total_gib, want", [
+    ("NVIDIA H200", 140, 16384), ("NVIDIA H100 80GB HBM3", 80, 16384),
+    ("NVIDIA A100-SXM4-80GB", 80, 8192), ("NVIDIA L4", 24, 8192)])
+def test_default_token_budget_follows_vllm(monkeypatch: pytest.MonkeyPatch, name: str, total_gib: int,
+                                           want: int) -> None:
+    """Without max_num_batched_tokens a step holds vLLM's LLM-class default: 16,384 tokens on a
+    GPU of 70 GiB or more (not an A100), 8,192 elsewhere, on CPU too."""
+    from types import SimpleNamespace
+
+    from minivllm.config import default_max_num_batched_tokens
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(name=name, total_memory=total_gib * 2**30))
+    assert default_max_num_batched_tokens(torch.device("cuda")) == want
+    assert default_max_num_batched_tokens(torch.device("cpu")) == 8192

@@ -93,8 +93,8 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length (default: the model's max_position_embeddings)")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in a step")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="most tokens in a step (default: 8192)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                        help="most tokens in a step (vLLM's server default on GPUs of 70 GiB or more)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="share of GPU memory for weights, activations and the KV cache")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
