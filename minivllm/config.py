@@ -24,7 +24,7 @@ def default_max_num_batched_tokens(device: torch.device) -> int:
     its LLM class (offline), 16,384 on a GPU of at least 70 GiB other than an A100, else
     8,192. A larger budget means fewer, larger prompt steps. (`minivllm serve` passes 8,192,
     vLLM's server default on such GPUs.)"""
-    if device.type == "cuda":
+    if device.type == "cuda" and torch.cuda.is_available():  # else the GPU check reports it
         props = torch.cuda.get_device_properties(device)
         if props.total_memory >= LARGE_GPU_BYTES and "a100" not in props.name.lower():
             return 16384

@@ -329,6 +329,7 @@ def test_default_token_budget_follows_vllm(monkeypatch: pytest.MonkeyPatch, name
     from types import SimpleNamespace
 
     from minivllm.config import default_max_num_batched_tokens
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(name=name, total_memory=total_gib * 2**30))
     assert default_max_num_batched_tokens(torch.device("cuda")) == want
