@@ -90,7 +90,7 @@ def time_variant(seq_lens: list[int], padded: int, num_splits: int, gen: random.
 Variant = Callable[[list[int], int, int], tuple[list[int], int, dict[str, Any] | None]]
 
 
-def variants(sweep: bool) -> dict[str, Variant]:
+def variants(sweep: bool, kv_dtype: torch.dtype) -> dict[str, Variant]:
     def longest_first(lens: list[int]) -> list[int]:
         return sorted(lens, reverse=True)
     chosen: dict[str, Variant] = {
@@ -102,9 +102,9 @@ def variants(sweep: bool) -> dict[str, Variant]:
             lambda lens, padded, splits: (longest_first(lens), max(1, splits // 2), None))
         chosen["longest first, splits x 2"] = (
             lambda lens, padded, splits: (longest_first(lens), min(pa.DECODE_MAX_SPLITS, splits * 2), None))
-        block_n = pa.decode_config(D, DTYPE)["BLOCK_N"]
+        engine_config = pa.decode_config(D, DTYPE, kv_dtype)
         for factor, label in ((2, "x 2"), (0.5, "/ 2")):
-            config = pa.decode_config(D, DTYPE) | {"BLOCK_N": int(block_n * factor)}
+            config = engine_config | {"BLOCK_N": int(engine_config["BLOCK_N"] * factor)}
             chosen[f"longest first, BLOCK_N {label}"] = (
                 lambda lens, padded, splits, config=config: (longest_first(lens), splits, config))
     return chosen
@@ -149,7 +149,8 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_w1.py needs a CUDA GPU")
-    run(args.every, variants(args.sweep), torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE)
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE
+    run(args.every, variants(args.sweep, kv_dtype), kv_dtype)
 
 
 if __name__ == "__main__":
