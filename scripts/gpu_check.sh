@@ -25,8 +25,9 @@
 #          (host vs GPU time, top kernels)
 #   tp     the tensor-parallel GPU tests; needs 2 GPUs (the nvidia-h200-x2 kind; skipped on one),
 #          so not part of "all" (until 0e3f9e4 its first case hung at shutdown, in destroy_process_group)
-#   vllm_w1, vllm_w1_fp8, vllm_w2w3   the peer, vLLM 0.20.1, on the same workloads (W1 with its Triton
-#          attention backend, its fastest there): stage it on the machine first and carry .vl/tools
+#   vllm_w1, vllm_w1_fp8, vllm_w2w3   the peer, vLLM 0.20.1, on the same workloads with its own choice of
+#          attention backend (FLASH_ATTN on an H200; 0.20.1 ignores VLLM_ATTENTION_BACKEND, and takes
+#          LLM(attention_backend=...) instead): stage it on the machine first and carry .vl/tools
 #          (../shared/peer/README.md); start-up ~80-110 s each. Not part of "all". RESULTS.md's table:
 #          GPU_CHECK=w1,vllm_w1,w2,w3,vllm_w2w3 in one call, then GPU_CHECK=w1_fp8,vllm_w1_fp8.
 #
@@ -136,8 +137,8 @@ for step in ${GPU_CHECK//,/ }; do
             run_step profile_w3 python3 -m benchmarks.kernels.step_profile --batch 256 --shared-prefix 2048 --context 64
             run_step profile_ttft python3 -m benchmarks.kernels.step_profile --prefill --context 1024 --steps 10
             run_step profile_w3_start python3 -m benchmarks.kernels.step_profile --start w3 ;;
-        vllm_w1)     peer vllm_w1 VLLM_ATTENTION_BACKEND=TRITON_ATTN python3 .vl/tools/vllm_w1.py ;;
-        vllm_w1_fp8) peer vllm_w1_fp8 VLLM_ATTENTION_BACKEND=TRITON_ATTN python3 .vl/tools/vllm_w1.py --kv-cache-dtype fp8 ;;
+        vllm_w1)     peer vllm_w1 python3 .vl/tools/vllm_w1.py ;;
+        vllm_w1_fp8) peer vllm_w1_fp8 python3 .vl/tools/vllm_w1.py --kv-cache-dtype fp8 ;;
         vllm_w2w3)   peer vllm_w2w3 python3 .vl/tools/vllm_w2w3.py ;;
         *) echo "unknown step '$step' (steps: $ALL_STEPS tp vllm_w1 vllm_w1_fp8 vllm_w2w3)"; failed=1 ;;
     esac
