@@ -27,7 +27,8 @@
 #          so not part of "all" (until 0e3f9e4 its first case hung at shutdown, in destroy_process_group)
 #   vllm_w1, vllm_w1_fp8, vllm_w2w3   the peer, vLLM 0.20.1, on the same workloads with its own choice of
 #          attention backend (FLASH_ATTN on an H200; 0.20.1 ignores VLLM_ATTENTION_BACKEND, and takes
-#          LLM(attention_backend=...) instead): stage it on the machine first and carry .vl/tools
+#          LLM(attention_backend=...) instead; vllm_w1_triton passes TRITON_ATTN through
+#          scripts/vllm_backend.py): stage it on the machine first and carry .vl/tools
 #          (../shared/peer/README.md); start-up ~80-110 s each. Not part of "all". RESULTS.md's table:
 #          GPU_CHECK=w1,vllm_w1,w2,w3,vllm_w2w3 in one call, then GPU_CHECK=w1_fp8,vllm_w1_fp8.
 #
@@ -139,8 +140,9 @@ for step in ${GPU_CHECK//,/ }; do
             run_step profile_w3_start python3 -m benchmarks.kernels.step_profile --start w3 ;;
         vllm_w1)     peer vllm_w1 python3 .vl/tools/vllm_w1.py ;;
         vllm_w1_fp8) peer vllm_w1_fp8 python3 .vl/tools/vllm_w1.py --kv-cache-dtype fp8 ;;
+        vllm_w1_triton) peer vllm_w1_triton python3 scripts/vllm_backend.py TRITON_ATTN .vl/tools/vllm_w1.py ;;
         vllm_w2w3)   peer vllm_w2w3 python3 .vl/tools/vllm_w2w3.py ;;
-        *) echo "unknown step '$step' (steps: $ALL_STEPS tp vllm_w1 vllm_w1_fp8 vllm_w2w3)"; failed=1 ;;
+        *) echo "unknown step '$step' (steps: $ALL_STEPS tp vllm_w1 vllm_w1_fp8 vllm_w1_triton vllm_w2w3)"; failed=1 ;;
     esac
 done
 
