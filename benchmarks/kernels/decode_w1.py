@@ -11,11 +11,12 @@ not L2, as in a step of 28 layers.
 
 Variants: the engine's launch (the batch longest first, as the runner orders decodes: the GPU
 starts programs roughly in launch order, so no long context starts last and sets the launch's
-tail); the batch in admission order; and (--sweep) half and twice the engine's split count,
-and key tiles (BLOCK_N) of half and twice decode_config's. --kv-cache-dtype fp8: the cache in
-float8 e4m3 (half the bytes; bandwidth is still bytes read / time).
+tail); the batch in admission order; (--sweep) half and twice the engine's split count, and
+key tiles (BLOCK_N) of half and twice decode_config's; (--tiles) any tiles, each as
+BLOCK_N/num_stages/num_warps, launched as the engine launches. --kv-cache-dtype fp8: the cache
+in float8 e4m3 (half the bytes; bandwidth is still bytes read / time).
 
-    python -m benchmarks.kernels.decode_w1 [--every 32] [--sweep] [--kv-cache-dtype fp8]
+    python -m benchmarks.kernels.decode_w1 [--every 32] [--sweep] [--kv-cache-dtype fp8] [--tiles 64/3/2 ...]
 """
 
 import argparse
@@ -90,7 +91,13 @@ def time_variant(seq_lens: list[int], padded: int, num_splits: int, gen: random.
 Variant = Callable[[list[int], int, int], tuple[list[int], int, dict[str, Any] | None]]
 
 
-def variants(sweep: bool, kv_dtype: torch.dtype) -> dict[str, Variant]:
+def tile_config(spec: str) -> dict[str, Any]:
+    """A --tiles entry, BLOCK_N/num_stages/num_warps, as a decode tile config."""
+    block_n, stages, warps = (int(part) for part in spec.split("/"))
+    return dict(BLOCK_N=block_n, num_stages=stages, num_warps=warps)
+
+
+def variants(sweep: bool, kv_dtype: torch.dtype, tiles: list[str]) -> dict[str, Variant]:
     def longest_first(lens: list[int]) -> list[int]:
         return sorted(lens, reverse=True)
     chosen: dict[str, Variant] = {
@@ -107,6 +114,9 @@ def variants(sweep: bool, kv_dtype: torch.dtype) -> dict[str, Variant]:
             config = engine_config | {"BLOCK_N": int(engine_config["BLOCK_N"] * factor)}
             chosen[f"longest first, BLOCK_N {label}"] = (
                 lambda lens, padded, splits, config=config: (longest_first(lens), splits, config))
+    for spec in tiles:
+        chosen[f"tiles {spec}"] = (
+            lambda lens, padded, splits, config=tile_config(spec): (longest_first(lens), splits, config))
     return chosen
 
 
@@ -146,11 +156,13 @@ def main() -> None:
                         help="also time half and twice the engine's split count and key tile")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="'fp8': the cache in float8 e4m3 ('auto': bf16, the queries' dtype)")
+    parser.add_argument("--tiles", nargs="*", default=[], metavar="BLOCK_N/STAGES/WARPS",
+                        help="also time these decode tiles (the engine's order and split counts)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_w1.py needs a CUDA GPU")
     kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE
-    run(args.every, variants(args.sweep, kv_dtype), kv_dtype)
+    run(args.every, variants(args.sweep, kv_dtype, args.tiles), kv_dtype)
 
 
 if __name__ == "__main__":
