@@ -5,6 +5,9 @@ import os
 
 import torch
 
+# Kernels run as Python under Triton's interpreter (the CPU tests): no inline PTX, no libdevice.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
 
 def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot's input_precision for inputs of this dtype: fp32 inputs would otherwise go
@@ -68,5 +71,5 @@ def patch_triton_interpreter() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":
+if INTERPRET:
     patch_triton_interpreter()

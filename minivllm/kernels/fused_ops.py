@@ -24,18 +24,14 @@ q/k slices of a packed qkv tensor need no copy. Activations and weights share on
 (float32, float16 or bfloat16).
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from minivllm.kernels import cdiv, next_power_of_2
+from minivllm.kernels import INTERPRET, cdiv, next_power_of_2
 from minivllm.kernels.pdl import pdl_options, wait_for_previous_kernel
 
-# Under Triton's interpreter (CPU tests) libdevice is unavailable; tl.exp is numpy's there.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 FP8_E4M3_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
 
@@ -403,6 +399,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block, num_warps = _silu_launch_config(inter)
     _silu_and_mul_kernel[(num_tokens, cdiv(inter, block))](
-        x, out, x.stride(0), inter, BLOCK=block, ACCURATE_EXP=not _INTERPRET,
+        x, out, x.stride(0), inter, BLOCK=block, ACCURATE_EXP=not INTERPRET,
         **pdl_options(x.device), num_warps=num_warps)
     return out

@@ -39,17 +39,15 @@ only on tensor shapes and on the `max_seq_len` argument (for decode); actual len
 read from seq_lens on the device.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels import cdiv, dot_precision, next_power_of_2, split_count
+from minivllm.kernels import INTERPRET, cdiv, dot_precision, next_power_of_2, split_count
 from minivllm.kernels.pdl import pdl_options, wait_for_previous_kernel
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2 (exp2 is the native instruction)
-_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # kernels running as Python
+_INTERPRET = tl.constexpr(INTERPRET)  # a constexpr, for use inside kernels
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 

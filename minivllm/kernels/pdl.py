@@ -18,12 +18,13 @@ The contract every kernel here launched with PDL keeps:
 """
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from minivllm.kernels import INTERPRET
 
 
 @triton.jit
@@ -39,7 +40,7 @@ def wait_for_previous_kernel(PDL: tl.constexpr):
 def pdl_enabled(device: torch.device) -> bool:
     """Launch with PDL on this device: a CUDA GPU of compute capability 9.0 or later, not
     under Triton's interpreter (which runs programs one after another anyway)."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    return (device.type == "cuda" and not INTERPRET
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
