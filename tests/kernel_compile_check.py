@@ -95,7 +95,7 @@ def sass_opcodes(cubin: bytes) -> collections.Counter[str]:
 def engine_calls() -> dict[str, Callable[[], Any]]:
     """The host calls of a Qwen3-0.6B step (bf16; a bf16 and an FP8 KV cache), with PDL on, and
     of Qwen3-30B-A3B's experts."""
-    from minivllm.kernels import fused_moe, fused_ops, paged_attention, pdl, sampling, skinny_matmul
+    from minivllm.kernels import SplitKPartials, fused_moe, fused_ops, paged_attention, pdl, sampling, skinny_matmul
 
     pdl.pdl_enabled = lambda device: True  # as on a Hopper GPU
     skinny_matmul.sm_count = lambda device: 132  # an H100/H200's: split-K where the GPU would split
@@ -136,10 +136,14 @@ def engine_calls() -> dict[str, Callable[[], Any]]:
     w_hidden = torch.ones(hidden, dtype=bf16)
     calls["rms_norm"] = lambda: fused_ops.rms_norm(x, w_hidden, 1e-6)
     calls["add_rms_norm"] = lambda: fused_ops.add_rms_norm(x, x.clone(), w_hidden, 1e-6)
+    calls["add_rms_norm of split-K partials"] = lambda: fused_ops.add_rms_norm(
+        SplitKPartials(torch.zeros(4, skinny_matmul.MAX_ROWS, hidden), 1, bf16), x[:1].clone(), w_hidden, 1e-6)
     calls["silu_and_mul"] = lambda: fused_ops.silu_and_mul(torch.zeros(4, 2 * inter, dtype=bf16))
     for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)):  # qkv, o, gate_up, down
         calls[f"skinny_matmul {n}x{k}"] = lambda n=n, k=k: skinny_matmul.skinny_matmul(
             torch.zeros(1, k, dtype=bf16), torch.zeros(n, k, dtype=bf16))
+    calls["skinny_matmul_partials 1024x2048 (o)"] = lambda: skinny_matmul.skinny_matmul_partials(
+        torch.zeros(1, 2048, dtype=bf16), torch.zeros(1024, 2048, dtype=bf16))
     experts, top_k, moe_inter = 16, 4, 768  # Qwen3-30B-A3B's expert shapes (fewer experts)
     calls["fused_moe (Qwen3-30B-A3B experts)"] = lambda: fused_moe.fused_moe(
         torch.zeros(4, 2048, dtype=bf16), torch.zeros(experts, 2 * moe_inter, 2048, dtype=bf16),

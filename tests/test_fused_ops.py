@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import PretrainedConfig
 
-from minivllm.kernels import fused_ops
+from minivllm.kernels import SplitKPartials, fused_ops
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.rotary import RotaryEmbedding
@@ -103,6 +103,28 @@ def test_add_rms_norm_updates_residual_in_place(dtype, num_tokens, hidden):
     assert torch.equal(residual, ref_residual)  # one rounding of an exact sum: bit-identical
     assert torch.equal(x, x_before)
     assert_ulps(out, ref_out, **norm_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("num_parts,num_rows", [(4, 1), (3, 5)])
+def test_add_rms_norm_sums_split_k_partials_first(dtype, num_parts, num_rows):
+    """A row-parallel projection's SplitKPartials in place of x: the kernel adds the parts in
+    order in fp32 and rounds once (the output skinny_matmul would have stored), then runs
+    the add-norm on it: bit for bit what add_rms_norm gives on that output. Rows past
+    num_rows in the workspace are not read."""
+    hidden = 40
+    parts = randn(num_parts, 8, hidden, dtype=torch.float32, seed=6)
+    parts[:, num_rows:] = float("nan")
+    partials = SplitKPartials(parts, num_rows, dtype)
+    summed = torch.zeros(num_rows, hidden)
+    for part in parts[:, :num_rows]:
+        summed += part
+    norm = make_norm(hidden, dtype)
+    residual = randn(num_rows, hidden, dtype=dtype, seed=7, scale=4.0)
+    want_out, want_residual = fused_ops.add_rms_norm(summed.to(dtype), residual.clone(), norm.weight, EPS)
+    out, new_residual = fused_ops.add_rms_norm(partials, residual, norm.weight, EPS)
+    assert new_residual is residual and out.shape == (num_rows, hidden) and out.dtype == dtype
+    assert torch.equal(residual, want_residual) and torch.equal(out, want_out)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minivllm.kernels import SplitKPartials
 from minivllm.kernels import skinny_matmul as skinny_module
 from minivllm.kernels.skinny_matmul import MAX_ROWS, ROUTED_ROWS, skinny_matmul
 from minivllm.layers.linear import linear
@@ -59,6 +60,39 @@ def test_split_k_by_default_where_strips_are_few():
     check(2, 16, 2048, torch.float32, bias=True)
 
 
+def ordered_sum(partials: SplitKPartials) -> torch.Tensor:
+    """The output a SplitKPartials stands for, summed here: in part order, in fp32, rounded once."""
+    total = torch.zeros_like(partials.parts[0, :partials.num_rows])
+    for part in partials.parts[:, :partials.num_rows]:
+        total += part
+    return total.to(partials.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_rows,n,k,split_k", [
+    (3, 40, 256, 2),  # ragged N
+    (1, 16, 300, 4),  # 5 tiles in 4 splits: a ragged last tile
+])
+def test_partials_are_the_split_k_sums_left_to_the_consumer(dtype, num_rows, n, k, split_k):
+    # skinny_matmul_partials leaves exactly the sums skinny_matmul adds up itself: summed in
+    # part order they give its output bit for bit (and both give F.linear's).
+    config = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=split_k, num_warps=4, num_stages=2)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(num_rows, k, generator=gen).to(DEVICE, dtype)
+    weight = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DEVICE, dtype)
+    partials = skinny_module.skinny_matmul_partials(x, weight, config=config)
+    assert isinstance(partials, SplitKPartials)
+    assert partials.parts.shape == (split_k, MAX_ROWS, n) and partials.num_rows == num_rows
+    assert partials.dtype == dtype and partials.parts.dtype == torch.float32
+    assert torch.equal(ordered_sum(partials), skinny_matmul(x, weight, config=config))
+    torch.testing.assert_close(ordered_sum(partials).double(), F.linear(x.double(), weight.double()),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+    # One split: nothing to leave, the plain output.
+    one_split = {**config, "SPLIT_K": 1}
+    single = skinny_module.skinny_matmul_partials(x, weight, config=one_split)
+    assert isinstance(single, torch.Tensor) and torch.equal(single, skinny_matmul(x, weight, config=one_split))
+
+
 def test_strided_rows_and_empty_batch():
     check(4, 32, 256, torch.float32, bias=False, row_stride=320)  # x a view with row stride 320
     empty = skinny_matmul(torch.empty(0, 64, device=DEVICE), torch.ones(8, 64, device=DEVICE))
@@ -99,6 +133,27 @@ def test_linear_layers_route_only_small_batches_of_chosen_weights(monkeypatch):
 @pytest.mark.parametrize("num_rows", [1, 7, 16])
 def test_gpu_projection_shapes(dtype, n, k, num_rows):
     check(num_rows, n, k, dtype, bias=n == 4096)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("n,k", [(1024, 2048), (1024, 3072)])  # Qwen3-0.6B's o and down
+@pytest.mark.parametrize("num_rows", [1, 4])
+def test_gpu_partials_into_add_rms_norm(n, k, num_rows):
+    # The engine's small-batch path after o and down, bf16: partials summed by the norm give
+    # bit for bit what the norm gives on skinny_matmul's own output.
+    from minivllm.kernels import fused_ops
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(num_rows, k, generator=gen).to(DEVICE, torch.bfloat16)
+    weight = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DEVICE, torch.bfloat16)
+    norm_weight = torch.rand(n, generator=gen).to(DEVICE, torch.bfloat16)
+    residual = torch.randn(num_rows, n, generator=gen).to(DEVICE, torch.bfloat16)
+    partials = skinny_module.skinny_matmul_partials(x, weight)
+    assert isinstance(partials, SplitKPartials)
+    got = fused_ops.add_rms_norm(partials, residual.clone(), norm_weight, 1e-6)
+    want = fused_ops.add_rms_norm(skinny_matmul(x, weight), residual.clone(), norm_weight, 1e-6)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 @pytest.mark.parametrize("pdl", [False, True])

@@ -139,18 +139,31 @@ def test_padded_steps_compute_what_unpadded_steps_do(model_dir: str, few_seqs: i
 def test_small_batch_linear_kernel_in_the_engine_matches_hf(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every linear layer routed to skinny_matmul, as choose_small_batch_kernels routes the
     weights where it beats cuBLAS on a GPU: decode steps of up to ROUTED_ROWS sequences take
-    it (prompt steps have more rows and keep F.linear), and the tokens still match HF."""
-    from minivllm.kernels import skinny_matmul
+    it (prompt steps have more rows and keep F.linear), and the tokens still match HF. K is
+    split wherever it can be, so the o and down projections hand their unreduced partial sums
+    to the add-RMSNorm after them."""
+    from minivllm.kernels import SplitKPartials, skinny_matmul
     from minivllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 
     rows_seen: list[int] = []
-    real = skinny_matmul.skinny_matmul
+    partials_seen: list[bool] = []
+    real, real_partials = skinny_matmul.skinny_matmul, skinny_matmul.skinny_matmul_partials
 
     def spy(x, *args, **kwargs):  # noqa: ANN001, ANN202
         rows_seen.append(x.shape[0])
         return real(x, *args, **kwargs)
 
+    def spy_partials(x, *args, **kwargs):  # noqa: ANN001, ANN202
+        rows_seen.append(x.shape[0])
+        out = real_partials(x, *args, **kwargs)
+        partials_seen.append(isinstance(out, SplitKPartials))
+        return out
+
     monkeypatch.setattr(skinny_matmul, "skinny_matmul", spy)
+    monkeypatch.setattr(skinny_matmul, "skinny_matmul_partials", spy_partials)
+    real_config = skinny_matmul.skinny_matmul_config
+    monkeypatch.setattr(skinny_matmul, "skinny_matmul_config",  # the tiny model's K in two splits
+                        lambda *args: {**real_config(*args), "BLOCK_K": 16, "SPLIT_K": 2})
     llm = LLM(model_dir, dtype="float32", max_model_len=64, block_size=8, kernels="triton")
     for module in llm.llm_engine.model_runner.model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
@@ -159,3 +172,4 @@ def test_small_batch_linear_kernel_in_the_engine_matches_hf(model_dir: str, monk
     prompts = [[rng.randrange(3, 700) for _ in range(n)] for n in (3, 11, 6)]
     assert greedy_outputs(llm, prompts, 5) == [hf_greedy(model_dir, p, 5)[0] for p in prompts]
     assert rows_seen and max(rows_seen) <= skinny_matmul.ROUTED_ROWS
+    assert partials_seen and all(partials_seen)

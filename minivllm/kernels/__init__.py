@@ -2,6 +2,7 @@
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -45,6 +46,17 @@ def split_count(target_programs: int, programs_per_split: int, length: int, min_
     want = -(-target_programs // max(1, programs_per_split))
     by_len = -(-max(1, length) // min_split_len)
     return max(1, min(want, by_len, by_len if max_splits is None else max_splits))
+
+
+@dataclass(frozen=True)
+class SplitKPartials:
+    """A matmul's output left as fp32 partial sums over split K ranges
+    (skinny_matmul.skinny_matmul_partials), for a consumer that adds them up as it loads
+    them (fused_ops.add_rms_norm): row r of the output is parts[0, r] + parts[1, r] + ...,
+    summed in that order in fp32 and rounded to `dtype`, as skinny_matmul would store it."""
+    parts: torch.Tensor  # [SPLIT_K, workspace rows (>= num_rows), N] fp32, N contiguous
+    num_rows: int
+    dtype: torch.dtype
 
 
 def patch_triton_interpreter() -> None:

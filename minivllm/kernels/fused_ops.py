@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from minivllm.kernels import INTERPRET, cdiv, next_power_of_2
+from minivllm.kernels import INTERPRET, SplitKPartials, cdiv, next_power_of_2
 from minivllm.kernels.pdl import pdl_options, wait_for_previous_kernel
 
 FP8_E4M3_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -44,15 +44,17 @@ def _rms_norm_kernel(
     num_rows,
     stride_xn, stride_xh,  # x viewed as [N, INNER, HIDDEN]: row r is (r // INNER, r % INNER)
     stride_rn, stride_rh,  # the same for residual (unused without one)
+    stride_xp,  # x as partial sums: the stride from one part to the next
     eps,
     INNER: tl.constexpr,  # 1 for [N, H] inputs, the number of heads for [N, heads, D]
     HIDDEN: tl.constexpr,  # constexpr: a norm has one or two sizes, and masks then fold away
     HAS_RESIDUAL: tl.constexpr,
+    NUM_PARTS: tl.constexpr,  # > 0: x is the sum of this many fp32 parts (SplitKPartials), in order
     BLOCK_M: tl.constexpr,  # rows per program (several when rows are short, e.g. per-head norms)
     BLOCK_H: tl.constexpr,  # HIDDEN rounded up to a power of two
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
-    dtype = x_ptr.dtype.element_ty
+    dtype = out_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: N * stride may pass 2**31
     cols = tl.arange(0, BLOCK_H)
     col_mask = cols < HIDDEN
@@ -62,7 +64,13 @@ def _rms_norm_kernel(
     wait_for_previous_kernel(PDL)
 
     x_offs = (n * stride_xn + h * stride_xh)[:, None] + cols[None, :]
-    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
+    if NUM_PARTS == 0:
+        x = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
+    else:  # the matmul's output as skinny_matmul would have stored it: fp32 sum in part order, rounded
+        x_sum = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+        for part in tl.static_range(NUM_PARTS):
+            x_sum += tl.load(x_ptr + part * stride_xp + x_offs, mask=mask, other=0.0)
+        x = x_sum.to(dtype)
     if HAS_RESIDUAL:
         r_offs = (n * stride_rn + h * stride_rh)[:, None] + cols[None, :]
         r = tl.load(residual_ptr + r_offs, mask=mask, other=0.0)
@@ -102,28 +110,35 @@ def _as_3d(t: torch.Tensor, name: str) -> tuple[int, int, int, int]:
     return t.shape[0], t.shape[1], t.stride(0), t.stride(1)
 
 
-def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-              ) -> torch.Tensor:
-    hidden = x.shape[-1]
+def _rms_norm(x: torch.Tensor | SplitKPartials, residual: torch.Tensor | None, weight: torch.Tensor,
+              eps: float) -> torch.Tensor:
+    num_parts = stride_xp = 0
+    if isinstance(x, SplitKPartials):
+        num_parts, stride_xp = x.parts.shape[0], x.parts.stride(0)
+        dtype, shape = x.dtype, (x.num_rows, x.parts.shape[2])
+        x = x.parts[0, :x.num_rows]  # the launch's x: part 0, as an [N, H] input
+    else:
+        dtype, shape = x.dtype, x.shape
+    hidden = shape[-1]
     assert weight.shape == (hidden,) and weight.is_contiguous(), (
         f"weight must be a contiguous [{hidden}] tensor, got {tuple(weight.shape)}")
-    assert weight.dtype == x.dtype, f"weight dtype {weight.dtype} differs from input dtype {x.dtype}"
-    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"unsupported dtype {x.dtype}"
+    assert weight.dtype == dtype, f"weight dtype {weight.dtype} differs from input dtype {dtype}"
+    assert dtype in (torch.float32, torch.float16, torch.bfloat16), f"unsupported dtype {dtype}"
     n, inner, sxn, sxh = _as_3d(x, "x")
     srn = srh = 0
     if residual is not None:
-        assert residual.shape == x.shape and residual.dtype == x.dtype, (
-            f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}")
+        assert residual.shape == shape and residual.dtype == dtype, (
+            f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(shape)} {dtype}")
         _, _, srn, srh = _as_3d(residual, "residual")
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous whatever x's strides
+    out = torch.empty(shape, dtype=dtype, device=x.device)  # contiguous whatever x's strides
     num_rows = n * inner
     if num_rows == 0:
         return out
     block_m, block_h, num_warps = _norm_launch_config(hidden, num_rows)
     _rms_norm_kernel[(cdiv(num_rows, block_m),)](
         x, residual if residual is not None else x, weight, out,
-        num_rows, sxn, sxh, srn, srh, eps,
-        INNER=inner, HIDDEN=hidden, HAS_RESIDUAL=residual is not None,
+        num_rows, sxn, sxh, srn, srh, stride_xp, eps,
+        INNER=inner, HIDDEN=hidden, HAS_RESIDUAL=residual is not None, NUM_PARTS=num_parts,
         BLOCK_M=block_m, BLOCK_H=block_h, **pdl_options(x.device),
         num_warps=num_warps,
         enable_fp_fusion=False,  # torch rounds x*x before summing; an FMA would not
@@ -141,13 +156,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _rms_norm(x, None, weight, eps)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+def add_rms_norm(x: torch.Tensor | SplitKPartials, residual: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """`RMSNorm.forward(x, residual)`: s = x + residual; return (rms_norm(s), s).
 
     IN PLACE: s is written into `residual`, and the returned second element IS `residual`
     (no new allocation for the residual stream). x is not modified; the normed output is a
-    new contiguous tensor. Shapes as rms_norm; residual has x's shape and dtype.
+    new contiguous tensor. Shapes as rms_norm; residual has x's shape and dtype. x may be a
+    row-parallel projection's unreduced SplitKPartials: the kernel adds its parts up first.
     """
     out = _rms_norm(x, residual, weight, eps)
     return out, residual

@@ -13,6 +13,12 @@ writes its fp32 partial sums to its own slot of a workspace and counts itself do
 strip's counter, and the strip's last program adds the partials up in split order (so the
 result does not depend on which program finished first), adds the bias, stores the output
 and zeroes the counter for the next launch: one launch, no reduction kernel.
+
+skinny_matmul_partials leaves the partials unreduced for a consumer that adds them up as it
+loads its input (fused_ops.add_rms_norm, after the row-parallel o and down projections): the
+matmul then ends with its stores. At batch 1 the last program's count, reload and store are
+a few dependent round trips through L2 on the layer's critical path, longer than the
+streaming before them.
 """
 
 import functools
@@ -24,7 +30,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from minivllm.kernels import cdiv, dot_precision, sm_count, split_count
+from minivllm.kernels import SplitKPartials, cdiv, dot_precision, sm_count, split_count
 from minivllm.kernels.pdl import pdl_enabled, pdl_options, wait_for_previous_kernel
 
 logger = logging.getLogger(__name__)
@@ -48,6 +54,7 @@ def _skinny_matmul_kernel(
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks along K
     SPLIT_K: tl.constexpr,
+    REDUCE: tl.constexpr,  # SPLIT_K > 1: the strip's last program sums the partials (else the consumer does)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -89,18 +96,19 @@ def _skinny_matmul_kernel(
     else:
         part_ptrs = part_ptr + rows[:, None] * N + cols[None, :]  # split s's: s * BLOCK_M * N further
         tl.store(part_ptrs + split * BLOCK_M * N, acc, mask=out_mask)
-        # Every thread's partials are stored before the count (one thread's atomic) says so:
-        # the barrier orders them before it, acq_rel publishes them and shows the last program
-        # everyone's (the pattern of CUTLASS's split-K semaphore).
-        tl.debug_barrier()
-        if tl.atomic_add(count_ptr + strip, 1, sem="acq_rel") == SPLIT_K - 1:
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s in range(SPLIT_K):  # in split order: the same sum whoever came last
-                total += tl.load(part_ptrs + s * BLOCK_M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.store(count_ptr + strip, 0)  # ready for the next launch
+        if REDUCE:
+            # Every thread's partials are stored before the count (one thread's atomic) says so:
+            # the barrier orders them before it, acq_rel publishes them and shows the last program
+            # everyone's (the pattern of CUTLASS's split-K semaphore).
+            tl.debug_barrier()
+            if tl.atomic_add(count_ptr + strip, 1, sem="acq_rel") == SPLIT_K - 1:
+                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for s in range(SPLIT_K):  # in split order: the same sum whoever came last
+                    total += tl.load(part_ptrs + s * BLOCK_M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+                tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+                tl.store(count_ptr + strip, 0)  # ready for the next launch
 
 
 # Split-K launch heuristic: enough programs for this many per SM, but no split shorter than
@@ -154,6 +162,22 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     (dot_precision: three TF32 products, not one). `config` overrides skinny_matmul_config()
     (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages).
     """
+    out = _launch(x, weight, bias, config, reduce=True)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def skinny_matmul_partials(x: torch.Tensor, weight: torch.Tensor,
+                           config: dict | None = None) -> torch.Tensor | SplitKPartials:
+    """skinny_matmul(x, weight), but a split-K launch leaves its partial sums for the
+    consumer to add up (SplitKPartials; the output a plain tensor where the weight takes one
+    split). The partials live in the shape's shared workspace: consume them before the next
+    launch of a weight of this shape."""
+    return _launch(x, weight, None, config, reduce=False)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: dict | None,
+            reduce: bool) -> torch.Tensor | SplitKPartials:
     num_rows, k = x.shape
     n = weight.shape[0]
     assert num_rows <= MAX_ROWS, f"skinny_matmul serves at most {MAX_ROWS} rows, got {num_rows}"
@@ -177,6 +201,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         HAS_BIAS=bias is not None,
         EVEN_K=k % cfg["BLOCK_K"] == 0,
         SPLIT_K=split_k,
+        REDUCE=reduce,
         BLOCK_M=MAX_ROWS,
         BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"],
@@ -185,6 +210,8 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
+    if split_k > 1 and not reduce:
+        return SplitKPartials(part.view(split_k, MAX_ROWS, n), num_rows, x.dtype)
     return out
 
 

@@ -10,13 +10,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.executor.distributed import all_reduce, tp_rank, tp_size
+from minivllm.kernels import SplitKPartials
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_skinny: bool) -> torch.Tensor:
-    """F.linear, or for a small decode batch the weight-streaming kernel where it is faster."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_skinny: bool,
+           partial_sums: bool = False) -> torch.Tensor | SplitKPartials:
+    """F.linear, or for a small decode batch the weight-streaming kernel where it is faster
+    (with partial_sums and no bias, its output may be left as SplitKPartials)."""
     if use_skinny:
         from minivllm.kernels import skinny_matmul  # imported only where Triton is used
         if x.dim() == 2 and x.shape[0] <= skinny_matmul.ROUTED_ROWS:
+            if partial_sums:
+                return skinny_matmul.skinny_matmul_partials(x, weight)
             return skinny_matmul.skinny_matmul(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -53,9 +58,14 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 partial_sums: bool = False) -> None:
+        """partial_sums: the layer's output goes straight into a Triton add-RMSNorm
+        (fused_ops.add_rms_norm), which can add up a split-K matmul's partial sums itself;
+        small batches then return skinny_matmul's SplitKPartials (one rank, no bias)."""
         super().__init__()
         self.use_skinny = False  # choose_small_batch_kernels decides, once the weight is loaded
+        self.partial_sums = partial_sums and tp_size() == 1 and not bias
         assert input_size % tp_size() == 0, "input size not divisible by tp size"
         self.local_input_size = input_size // tp_size()
         self.weight = nn.Parameter(torch.empty(output_size, self.local_input_size), requires_grad=False)
@@ -66,9 +76,12 @@ class RowParallelLinear(nn.Module):
             loaded = loaded.narrow(1, tp_rank() * self.local_input_size, self.local_input_size)
         param.data.copy_(loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
+        y = linear(x, self.weight, None, self.use_skinny, self.partial_sums)
+        if isinstance(y, SplitKPartials):  # partial_sums: one rank, no bias
+            return y
         # The bias is added once, after the reduction, not on every rank.
-        y = all_reduce(linear(x, self.weight, None, self.use_skinny))
+        y = all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
 

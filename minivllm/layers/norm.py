@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from minivllm.kernels import SplitKPartials
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, use_triton: bool = False) -> None:
@@ -18,10 +20,10 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+    def forward(self, x: torch.Tensor | SplitKPartials, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """With a residual: (norm(x + residual), x + residual). With Triton one fused kernel,
-        which writes the sum into `residual`."""
+        which writes the sum into `residual` (and takes x as a projection's SplitKPartials)."""
         if self.use_triton:
             from minivllm.kernels import fused_ops  # imported only where Triton is used
             if residual is None:

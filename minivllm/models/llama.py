@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.executor.distributed import tp_size
+from minivllm.kernels import SplitKPartials
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.attention import Attention
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -46,7 +47,7 @@ class LlamaAttention(nn.Module):
         self.num_heads = num_heads // tp_size()
         self.num_kv_heads = num_kv_heads // tp_size()
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads, bias=flags.qkv_bias)
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, partial_sums=use_triton)
         self.rotary_emb = RotaryEmbedding(config, self.head_dim, max_position)
         if flags.qk_norm:
             # Their weights only, with Triton: the fused kernel applies them.
@@ -55,7 +56,8 @@ class LlamaAttention(nn.Module):
         self.qk_norm = flags.qk_norm
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata
+                ) -> torch.Tensor | SplitKPartials:
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -86,9 +88,9 @@ class LlamaMLP(nn.Module):
         inter = config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter])
         self.act = SiluAndMul(use_triton)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, partial_sums=use_triton)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
@@ -101,8 +103,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_triton)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_triton)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor | SplitKPartials, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor | SplitKPartials, torch.Tensor]:
+        """hidden: the previous layer's MLP output (or the embeddings, residual None); the
+        projections' outputs may be SplitKPartials, which only the add-RMSNorms read."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
