@@ -127,8 +127,11 @@ def skinny_matmul_config(dtype: torch.dtype, n: int, k: int, device: torch.devic
     --sweep times other tiles and split counts. The returned dict is shared: read it, don't
     change it."""
     block_n, block_k = 16, 256 if dtype.itemsize == 2 else 128
-    split_k = split_count(PROGRAMS_PER_SM * sm_count(device), cdiv(n, block_n), k,
-                          max(MIN_K_PER_SPLIT, block_k), MAX_SPLIT_K)
+    strips = cdiv(n, block_n)
+    # Where the strips alone give every SM a program (Qwen3-0.6B's qkv: 256), splitting K
+    # only adds the reduction's round trips to the kernel's end.
+    split_k = 1 if strips >= sm_count(device) else split_count(
+        PROGRAMS_PER_SM * sm_count(device), strips, k, max(MIN_K_PER_SPLIT, block_k), MAX_SPLIT_K)
     # Whole tiles per split: drop splits that rounding would leave empty.
     k_tiles = cdiv(k, block_k)
     split_k = cdiv(k_tiles, cdiv(k_tiles, split_k))
