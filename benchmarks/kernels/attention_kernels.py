@@ -71,9 +71,9 @@ def bench_decode(name, seq_lens, sweep):
             configs = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 4, 5), (32, 4, 3), (32, 4, 5),
                        (128, 4, 3), (128, 8, 3), (128, 8, 4), (64, 8, 3), (32, 2, 4)]
             splits = [1, 2]
-        else:
-            configs = [(64, 4, 3), (32, 4, 3), (32, 4, 5), (128, 8, 3)]
-            splits = [4, 8, 16, 32]
+        else:  # a small batch: many short splits (up to 64 with 16-key tiles) against fewer long ones
+            configs = [(64, 4, 3), (32, 4, 3), (32, 4, 5), (16, 4, 3), (32, 2, 3), (128, 8, 3)]
+            splits = [4, 8, 16, 32, 64]
         for bn, w, s in configs:
             for ns in splits:
                 variants.append((dict(BLOCK_N=bn, num_warps=w, num_stages=s), ns, ""))

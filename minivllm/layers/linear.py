@@ -21,6 +21,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use
         from minivllm.kernels import skinny_matmul  # imported only where Triton is used
         if x.dim() == 2 and x.shape[0] <= skinny_matmul.ROUTED_ROWS:
             if partial_sums:
+                assert bias is None, "a bias has no place in partial sums"
                 return skinny_matmul.skinny_matmul_partials(x, weight)
             return skinny_matmul.skinny_matmul(x, weight, bias)
     return F.linear(x, weight, bias)
