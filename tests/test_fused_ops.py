@@ -17,6 +17,7 @@ from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.rotary import RotaryEmbedding
 from tests.conftest import DEVICE, requires_cuda
+from tests.test_skinny_matmul import ordered_sum
 
 CPU_DTYPES = [torch.float32, torch.float16]
 GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -116,12 +117,9 @@ def test_add_rms_norm_sums_split_k_partials_first(dtype, num_parts, num_rows):
     parts = randn(num_parts, 8, hidden, dtype=torch.float32, seed=6)
     parts[:, num_rows:] = float("nan")
     partials = SplitKPartials(parts, num_rows, dtype)
-    summed = torch.zeros(num_rows, hidden)
-    for part in parts[:, :num_rows]:
-        summed += part
     norm = make_norm(hidden, dtype)
     residual = randn(num_rows, hidden, dtype=dtype, seed=7, scale=4.0)
-    want_out, want_residual = fused_ops.add_rms_norm(summed.to(dtype), residual.clone(), norm.weight, EPS)
+    want_out, want_residual = fused_ops.add_rms_norm(ordered_sum(partials), residual.clone(), norm.weight, EPS)
     out, new_residual = fused_ops.add_rms_norm(partials, residual, norm.weight, EPS)
     assert new_residual is residual and out.shape == (num_rows, hidden) and out.dtype == dtype
     assert torch.equal(residual, want_residual) and torch.equal(out, want_out)
