@@ -38,7 +38,9 @@
 # A/B in one call: AB_BASE=<dir> (a copy of another commit's minivllm/ and benchmarks/, e.g.
 # `mkdir .main && git archive main minivllm benchmarks | tar -x -C .main`, carried) runs each
 # benchmark step from that copy first (step name <name>_base; AB_BASE_COMMIT recorded for it),
-# then from this tree.
+# then from this tree; AB_ROUNDS=N (default 1) repeats that pair N times, alternating (steps
+# <name>_base_rK and <name>_rK from the second round on): one run each is within these machines'
+# run-to-run noise for W2 and W1. Each tree compiles its own kernels, in its first run.
 # Every benchmark appends one JSON line to $OUT/results.jsonl; each step's output goes
 # to $OUT/<step>.log (tests: $OUT/gpu_tests.log); $OUT/summary.txt lists each step's
 # exit status and seconds; $OUT/env.txt has nvidia-smi and package versions.
@@ -77,16 +79,19 @@ run_step() {
     return 0
 }
 
-bench() {  # bench NAME SCRIPT ARGS...: a benchmark with the shared arguments (twice with AB_BASE)
+bench() {  # bench NAME SCRIPT ARGS...: a benchmark with the shared arguments (alternating with AB_BASE)
     local name="$1" script="$2"; shift 2
     # shellcheck disable=SC2086  # BENCH_ARGS is a word list on purpose
     local cmd=(python3 -m "benchmarks.${script%.py}" "$@" --json-out "$RESULTS" $BENCH_ARGS)
-    if [[ -n "${AB_BASE:-}" ]]; then
+    if [[ -z "${AB_BASE:-}" ]]; then run_step "$name" "${cmd[@]}"; return 0; fi
+    local round suffix
+    for ((round = 1; round <= ${AB_ROUNDS:-1}; round++)); do
+        suffix=$([[ $round -gt 1 ]] && echo "_r$round")
         pushd "$AB_BASE" > /dev/null || { echo "AB_BASE $AB_BASE: no such directory"; failed=1; return 0; }
-        MINIVLLM_COMMIT="${AB_BASE_COMMIT:-$AB_BASE}" run_step "${name}_base" "${cmd[@]}"
+        MINIVLLM_COMMIT="${AB_BASE_COMMIT:-$AB_BASE}" run_step "${name}_base$suffix" "${cmd[@]}"
         popd > /dev/null || exit 1
-    fi
-    run_step "$name" "${cmd[@]}"
+        run_step "$name$suffix" "${cmd[@]}"
+    done
 }
 
 peer() {  # peer NAME [ENV=VALUE...] SCRIPT ARGS...: one of the peer's scripts (.vl/tools), vLLM from /tmp/vlsite
