@@ -177,7 +177,7 @@ def test_empty_prefix_is_plain_decode():
     result, exactly, over key tiles as wide as the own-keys launch's (one KV head here)."""
     batch = CascadeBatch([5, 20], 0, 8, 2, 1, 64, torch.float32)
     own_keys_tile = pa.own_keys_config(64, torch.float32, 1)["BLOCK_N"]
-    plain_config = pa.decode_config(64, torch.float32, torch.float32) | {"BLOCK_N": own_keys_tile}
+    plain_config = pa.decode_config(64, torch.float32, torch.float32, 2) | {"BLOCK_N": own_keys_tile}
     assert torch.equal(batch.cascade(suffix_splits=2), batch.plain(num_splits=2, config=plain_config))
 
 

@@ -175,6 +175,21 @@ def test_decode_gqa3_and_padded_rows():
         check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, 0.125), torch.float32)
 
 
+def test_decode_short_tiles_for_big_batches():
+    """16-bit caches take 64-key tiles from DECODE_SHORT_TILE_MIN_SEQS sequences (128 below);
+    the kernel with those tiles matches the reference."""
+    big = paged_attention.DECODE_SHORT_TILE_MIN_SEQS
+    assert paged_attention.decode_config(128, torch.bfloat16, torch.bfloat16, big - 1)["BLOCK_N"] == 128
+    config = paged_attention.decode_config(128, torch.float16, torch.float16, big)
+    assert config["BLOCK_N"] == 64
+    seq_lens = [300, 1, 129]
+    qsl, lens, table, num_blocks = make_batch([1] * len(seq_lens), seq_lens, 16)
+    k_cache, v_cache = random_cache(num_blocks, 16, 2, 128, torch.float16)
+    q = random_q(len(seq_lens), 4, 128, torch.float16)
+    out = paged_attention.paged_attention_decode(q, k_cache, v_cache, lens, table, 0.1, 1, config=config)
+    check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, 0.1), torch.float16)
+
+
 def test_decode_num_splits():
     # Big batches need no split; small batches with long contexts split up to the cap;
     # short contexts are not over-split.
@@ -256,15 +271,17 @@ GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
-def test_gpu_decode_realistic(dtype):
-    """64 sequences, contexts up to 4k, Qwen3-like heads (16 q / 8 kv, D 128)."""
+@pytest.mark.parametrize("num_seqs", [64, 256])
+def test_gpu_decode_realistic(dtype, num_seqs):
+    """64 or 256 sequences (the tiles of big batches), contexts up to 4k, Qwen3-like heads
+    (16 q / 8 kv, D 128)."""
     gen = random.Random(5)
-    seq_lens = [gen.randint(1, 4096) for _ in range(64)]
-    backend = triton_backend.TritonAttentionBackend(16, 8, 128, max_num_seqs=64)
-    out, ref = run_backend_step(backend, [1] * 64, seq_lens, 16, 8, 128, 16, dtype, share_blocks=8)
+    seq_lens = [gen.randint(1, 4096) for _ in range(num_seqs)]
+    backend = triton_backend.TritonAttentionBackend(16, 8, 128, max_num_seqs=num_seqs)
+    out, ref = run_backend_step(backend, [1] * num_seqs, seq_lens, 16, 8, 128, 16, dtype, share_blocks=8)
     check(out, ref, dtype)
     # Same step as a CUDA graph would see it: max_seq_len = max_model_len, more splits.
-    out, ref = run_backend_step(backend, [1] * 64, seq_lens, 16, 8, 128, 16, dtype, max_seq_len=8192)
+    out, ref = run_backend_step(backend, [1] * num_seqs, seq_lens, 16, 8, 128, 16, dtype, max_seq_len=8192)
     check(out, ref, dtype)
 
 

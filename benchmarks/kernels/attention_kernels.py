@@ -58,7 +58,7 @@ def bench_decode(name, seq_lens, sweep):
     sms = sm_count(torch.device("cuda", 0))
     default_splits = pa.decode_num_splits(batch, HKV, max(seq_lens), sms)
     graph_splits = pa.decode_num_splits(batch, HKV, 4096, sms)  # as captured: max_model_len
-    default_cfg = pa.decode_config(D, DTYPE, DTYPE)
+    default_cfg = pa.decode_config(D, DTYPE, DTYPE, batch)
     print(f"\n== decode {name}: batch {batch}, context total {sum(seq_lens)} "
           f"(mean {sum(seq_lens) / batch:.0f}), K+V bytes {kv_bytes / 1e6:.1f} MB", flush=True)
     print(f"   heuristic splits: {default_splits} (max_seq_len = batch max), "

@@ -109,11 +109,11 @@ def variants(sweep: bool, kv_dtype: torch.dtype, tiles: list[str]) -> dict[str, 
             lambda lens, padded, splits: (longest_first(lens), max(1, splits // 2), None))
         chosen["longest first, splits x 2"] = (
             lambda lens, padded, splits: (longest_first(lens), min(pa.DECODE_MAX_SPLITS, splits * 2), None))
-        engine_config = pa.decode_config(D, DTYPE, kv_dtype)
         for factor, label in ((2, "x 2"), (0.5, "/ 2")):
-            config = engine_config | {"BLOCK_N": int(engine_config["BLOCK_N"] * factor)}
-            chosen[f"longest first, BLOCK_N {label}"] = (
-                lambda lens, padded, splits, config=config: (longest_first(lens), splits, config))
+            def scaled_tiles(lens: list[int], padded: int, splits: int, factor: float = factor):
+                engine_config = pa.decode_config(D, DTYPE, kv_dtype, padded)
+                return longest_first(lens), splits, engine_config | {"BLOCK_N": int(engine_config["BLOCK_N"] * factor)}
+            chosen[f"longest first, BLOCK_N {label}"] = scaled_tiles
     for spec in tiles:
         chosen[f"tiles {spec}"] = (
             lambda lens, padded, splits, config=tile_config(spec): (longest_first(lens), splits, config))

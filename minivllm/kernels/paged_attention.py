@@ -682,19 +682,25 @@ DECODE_MIN_TOKENS_PER_SPLIT = 128  # a split shorter than this costs more than i
 DECODE_MAX_SPLITS = 32
 
 
-def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> dict:
+# From this many sequences in a decode batch, 16-bit caches read in 64-key tiles (see decode_config).
+DECODE_SHORT_TILE_MIN_SEQS = 192
+
+
+def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, num_seqs: int) -> dict:
     """Tile sizes for the split-KV decode kernel (memory-bound: K/V tiles in flight matter),
-    for queries of `dtype` over a cache of `cache_dtype`.
+    for a batch of num_seqs queries of `dtype` over a cache of `cache_dtype`.
 
     Tuned for D=128 on an H200 over W1's decode batches (benchmarks/kernels/decode_w1.py):
     a 16-bit cache reads fastest in 128-key tiles, two stages, 4 warps (8 warps, fewer
-    warps or more splits are slower); an FP8 cache in 64-key tiles, three stages, 2 warps.
-    Rows over 256 bytes (D=256, or fp32 at D=128) keep 16 KB K/V tiles (not re-tuned)."""
+    warps or more splits are slower), but from DECODE_SHORT_TILE_MIN_SEQS sequences (every
+    context in one split, several programs per SM) in 64-key tiles; an FP8 cache in 64-key
+    tiles, three stages, 2 warps. Rows over 256 bytes (D=256, or fp32 at D=128) keep 16 KB
+    K/V tiles (not re-tuned)."""
     if cache_dtype == torch.float8_e4m3fn and head_dim <= 128:
         return dict(BLOCK_N=64, num_warps=2, num_stages=3)
     row_bytes = head_dim * dtype.itemsize
     if row_bytes <= 256:
-        return dict(BLOCK_N=128, num_warps=4, num_stages=2)
+        return dict(BLOCK_N=64 if num_seqs >= DECODE_SHORT_TILE_MIN_SEQS else 128, num_warps=4, num_stages=2)
     if row_bytes <= 512:
         return dict(BLOCK_N=32, num_warps=4, num_stages=3)
     return dict(BLOCK_N=16, num_warps=4, num_stages=2)
@@ -743,7 +749,7 @@ def paged_attention_decode(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_seqs == 0:
         return out
-    cfg = decode_config(head_dim, q.dtype, k_cache.dtype) if config is None else config
+    cfg = decode_config(head_dim, q.dtype, k_cache.dtype, num_seqs) if config is None else config
     if num_splits > 1:
         part_out, part_lse = _decode_workspace(part_out, part_lse, num_seqs * num_q_heads * num_splits, q)
     else:
