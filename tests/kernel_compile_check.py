@@ -9,7 +9,8 @@ with Triton's own compiler and ptxas for sm_90. Prints one line per launch: the 
 registers and stack bytes (a stack means spills). Exit status 1 if any launch fails to compile.
 
     python -m tests.kernel_compile_check
-    python -m tests.kernel_compile_check --sass decode   # + SASS opcode counts of launches matching "decode"
+    python -m tests.kernel_compile_check --sass decode   # + SASS opcode counts of launches matching "decode",
+                                                         #   whole and per loop body
 
 Runs without TRITON_INTERPRET (under it, kernels are not compiled at all).
 """
@@ -84,12 +85,33 @@ def resource_usage(cubin: bytes) -> str:
     return " ".join(lines[0].split()[:3]) if lines else "(no resource line)"
 
 
+_SASS_LINE = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)")
+_SASS_LABEL = re.compile(r"^(\.L_x_\d+):")
+
+
 def sass_opcodes(cubin: bytes) -> collections.Counter[str]:
     """How often each SASS opcode (with its modifiers, e.g. LDS.U8) occurs in a cubin's code:
     where a kernel spends instructions (byte-wise shared loads, conversions, address math)."""
-    opcode = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
     return collections.Counter(m.group(1) for line in _run_tool("nvdisasm", ["-c"], cubin).splitlines()
-                               if (m := opcode.match(line)))
+                               if (m := _SASS_LINE.match(line)))
+
+
+def sass_loops(cubin: bytes) -> list[collections.Counter[str]]:
+    """The opcodes of each loop body (a label up to a branch back to it), in code order: a
+    kernel's per-tile cost, which the whole-kernel counts mix with its prologue and epilogue."""
+    labels: dict[str, int] = {}
+    opcodes: list[str] = []
+    loops = []
+    for line in _run_tool("nvdisasm", ["-c"], cubin).splitlines():
+        if m := _SASS_LABEL.match(line):
+            labels[m.group(1)] = len(opcodes)
+        elif m := _SASS_LINE.match(line):
+            opcodes.append(m.group(1))
+            target = re.search(r"\((\.L_x_\d+)\)", m.group(2))
+            start = labels.get(target.group(1), -1) if m.group(1) == "BRA" and target else -1
+            if 0 <= start < len(opcodes) - 1:  # a branch back (not the code's closing self-branch)
+                loops.append(collections.Counter(opcodes[start:]))
+    return loops
 
 
 def engine_calls() -> dict[str, Callable[[], Any]]:
@@ -168,6 +190,8 @@ def main() -> int:
                 counts = sass_opcodes(cubin)
                 print(f"      {sum(counts.values())} instructions:",
                       ", ".join(f"{op} {n}" for op, n in counts.most_common(30)))
+                for loop in sass_loops(cubin):
+                    print(f"      loop of {sum(loop.values())}:", ", ".join(f"{op} {n}" for op, n in loop.most_common(12)))
         except Exception as error:  # noqa: BLE001 - every failure is reported, then counted
             failures += 1
             print(f"FAIL  {label}: {kernel.fn.__name__}: {type(error).__name__}: {str(error)[:2000]}")
