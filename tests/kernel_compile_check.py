@@ -89,20 +89,21 @@ _SASS_LINE = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]
 _SASS_LABEL = re.compile(r"^(\.L_x_\d+):")
 
 
-def sass_opcodes(cubin: bytes) -> collections.Counter[str]:
-    """How often each SASS opcode (with its modifiers, e.g. LDS.U8) occurs in a cubin's code:
-    where a kernel spends instructions (byte-wise shared loads, conversions, address math)."""
-    return collections.Counter(m.group(1) for line in _run_tool("nvdisasm", ["-c"], cubin).splitlines()
-                               if (m := _SASS_LINE.match(line)))
+def sass_opcodes(sass: str) -> collections.Counter[str]:
+    """How often each SASS opcode (with its modifiers, e.g. LDS.U8) occurs in a cubin's code
+    (nvdisasm's text): where a kernel spends instructions (byte-wise shared loads,
+    conversions, address math)."""
+    return collections.Counter(m.group(1) for line in sass.splitlines() if (m := _SASS_LINE.match(line)))
 
 
-def sass_loops(cubin: bytes) -> list[collections.Counter[str]]:
-    """The opcodes of each loop body (a label up to a branch back to it), in code order: a
-    kernel's per-tile cost, which the whole-kernel counts mix with its prologue and epilogue."""
+def sass_loops(sass: str) -> list[collections.Counter[str]]:
+    """The opcodes of each loop body (a label up to a branch back to it) in nvdisasm's text,
+    in code order: a kernel's per-tile cost, which the whole-kernel counts mix with its
+    prologue and epilogue."""
     labels: dict[str, int] = {}
     opcodes: list[str] = []
     loops = []
-    for line in _run_tool("nvdisasm", ["-c"], cubin).splitlines():
+    for line in sass.splitlines():
         if m := _SASS_LABEL.match(line):
             labels[m.group(1)] = len(opcodes)
         elif m := _SASS_LINE.match(line):
@@ -187,10 +188,11 @@ def main() -> int:
             cubin = compile_launch(kernel, args, kwargs)["cubin"]
             print(f"ok    {label}: {kernel.fn.__name__} {resource_usage(cubin)}")
             if sass_filter is not None and sass_filter in label:
-                counts = sass_opcodes(cubin)
+                sass = _run_tool("nvdisasm", ["-c"], cubin)
+                counts = sass_opcodes(sass)
                 print(f"      {sum(counts.values())} instructions:",
                       ", ".join(f"{op} {n}" for op, n in counts.most_common(30)))
-                for loop in sass_loops(cubin):
+                for loop in sass_loops(sass):
                     print(f"      loop of {sum(loop.values())}:", ", ".join(f"{op} {n}" for op, n in loop.most_common(12)))
         except Exception as error:  # noqa: BLE001 - every failure is reported, then counted
             failures += 1

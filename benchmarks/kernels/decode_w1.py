@@ -110,7 +110,8 @@ def variants(sweep: bool, kv_dtype: torch.dtype, tiles: list[str]) -> dict[str, 
         chosen["longest first, splits x 2"] = (
             lambda lens, padded, splits: (longest_first(lens), min(pa.DECODE_MAX_SPLITS, splits * 2), None))
         for factor, label in ((2, "x 2"), (0.5, "/ 2")):
-            def scaled_tiles(lens: list[int], padded: int, splits: int, factor: float = factor):
+            def scaled_tiles(lens: list[int], padded: int, splits: int,
+                             factor: float = factor) -> tuple[list[int], int, dict[str, Any]]:
                 engine_config = pa.decode_config(D, DTYPE, kv_dtype, padded)
                 return longest_first(lens), splits, engine_config | {"BLOCK_N": int(engine_config["BLOCK_N"] * factor)}
             chosen[f"longest first, BLOCK_N {label}"] = scaled_tiles
