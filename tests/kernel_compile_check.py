@@ -30,7 +30,7 @@ assert os.environ.get("TRITON_INTERPRET") != "1", "run without TRITON_INTERPRET=
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.compiler import ASTSource, CompiledKernel, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -56,17 +56,18 @@ def capture_launches(calls: dict[str, Callable[[], Any]]) -> list[Launch]:
     return launches
 
 
-def compile_launch(kernel: JITFunction, args: tuple, kwargs: dict[str, Any]) -> dict[str, bytes | str]:
+def compile_launch(kernel: JITFunction, args: tuple, kwargs: dict[str, Any]) -> CompiledKernel:
     """Compile one caught launch for sm_90 as JITFunction.run would on the GPU (the same
     specialisation: types, constexprs, 16-byte alignment and divisibility of the arguments;
-    Triton 3.6's own helpers); returns its assembly (ptx, cubin, ...)."""
+    Triton 3.6's own helpers); its .asm holds the assembly (ptx, cubin, ...), its .metadata
+    the launch's dynamic shared memory."""
     backend = make_backend(TARGET)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     kwargs = kwargs | {"debug": bool(kernel.debug)}
     bound_args, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
-                          options=options.__dict__).asm
+                          options=options.__dict__)
 
 
 def _run_tool(name: str, args: list[str], cubin: bytes) -> str:
@@ -185,8 +186,12 @@ def main() -> int:
     failures = 0
     for label, kernel, args, kwargs in capture_launches(engine_calls()):
         try:
-            cubin = compile_launch(kernel, args, kwargs)["cubin"]
-            print(f"ok    {label}: {kernel.fn.__name__} {resource_usage(cubin)}")
+            compiled = compile_launch(kernel, args, kwargs)
+            cubin = compiled.asm["cubin"]
+            # cuobjdump's SHARED is the static part; Triton's buffers (pipelined loads, layout
+            # conversions) are dynamic, and with registers they set how many programs fit an SM.
+            print(f"ok    {label}: {kernel.fn.__name__} {resource_usage(cubin)} "
+                  f"DYNAMIC_SHARED:{compiled.metadata.shared}")
             if sass_filter is not None and sass_filter in label:
                 sass = _run_tool("nvdisasm", ["-c"], cubin)
                 counts = sass_opcodes(sass)

@@ -120,6 +120,30 @@ def test_decode_kernel_reads_fp8(dtype: torch.dtype, num_splits: int) -> None:
     check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, 0.125), dtype)
 
 
+def fp8_decode_bands() -> list[int]:
+    """A batch size in each of decode_config's FP8 tile bands."""
+    return [pa.FP8_DECODE_MID_TILE_MIN_SEQS - 1, pa.FP8_DECODE_MID_TILE_MIN_SEQS, pa.FP8_DECODE_ONE_WARP_MIN_SEQS]
+
+
+@pytest.mark.parametrize("num_seqs", fp8_decode_bands())
+def test_decode_tiles_by_batch_size_read_fp8(num_seqs: int) -> None:
+    """Each FP8 band's tiles (128 keys / 4 warps, 64 / 2, 32 / 1: decode_config) over a
+    D=128 cache; the interpreter runs the tile shapes, not the warps."""
+    config = pa.decode_config(128, torch.bfloat16, FP8, num_seqs)
+    seq_lens = [1, 300, 17, 129]
+    qsl, lens, table, num_blocks = make_batch([1] * 4, seq_lens, 16, share_blocks=1)
+    k_cache, v_cache = fp8_cache(num_blocks, 16, 2, 128)
+    q = random_q(4, 4, 128, torch.float16)
+    out = pa.paged_attention_decode(q, k_cache, v_cache, lens, table, 0.1, 1, config=config)
+    check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, 0.1), torch.float16)
+
+
+def test_fp8_decode_bands_differ() -> None:
+    tiles = {(c["BLOCK_N"], c["num_warps"]) for c in
+             (pa.decode_config(128, torch.bfloat16, FP8, n) for n in fp8_decode_bands())}
+    assert tiles == {(128, 4), (64, 2), (32, 1)}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_cascade_kernel_reads_fp8(dtype: torch.dtype) -> None:
     batch = CascadeBatch([1, 33, 12, 64], 4, 16, 4, 2, 64, dtype, seed=5)
@@ -129,12 +153,13 @@ def test_cascade_kernel_reads_fp8(dtype: torch.dtype) -> None:
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("decode", [True, False])
-def test_gpu_bf16_queries_over_fp8_cache(decode: bool) -> None:
-    """Qwen3-like heads (16 q / 8 kv, D 128), contexts up to 4k, bf16 queries."""
+@pytest.mark.parametrize("decode,num_seqs", [(False, 48), (True, 48)] + [(True, n) for n in fp8_decode_bands()])
+def test_gpu_bf16_queries_over_fp8_cache(decode: bool, num_seqs: int) -> None:
+    """Qwen3-like heads (16 q / 8 kv, D 128), contexts up to 4k, bf16 queries; decode
+    batches in each of decode_config's FP8 tile bands."""
     gen = random.Random(5)
-    seq_lens = [gen.randint(1, 4096) for _ in range(48)]
-    q_lens = [1] * 48 if decode else [1] * 40 + [min(n, 300) for n in seq_lens[40:]]
+    seq_lens = [gen.randint(1, 4096) for _ in range(num_seqs)]
+    q_lens = [1] * num_seqs if decode else [1] * 40 + [min(n, 300) for n in seq_lens[40:]]
     qsl, lens, table, num_blocks = make_batch(q_lens, seq_lens, 16, share_blocks=4)
     k_cache, v_cache = fp8_cache(num_blocks, 16, 8, 128)
     q = random_q(sum(q_lens), 16, 128, torch.bfloat16)

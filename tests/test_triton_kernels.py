@@ -176,12 +176,12 @@ def test_decode_gqa3_and_padded_rows():
 
 
 def test_decode_short_tiles_for_big_batches():
-    """16-bit caches take 64-key tiles from DECODE_SHORT_TILE_MIN_SEQS sequences (128 below);
-    the kernel with those tiles matches the reference."""
+    """16-bit caches take 64-key tiles with 2 warps from DECODE_SHORT_TILE_MIN_SEQS sequences
+    (128 keys, 4 warps below); the kernel with those tiles matches the reference."""
     big = paged_attention.DECODE_SHORT_TILE_MIN_SEQS
     assert paged_attention.decode_config(128, torch.bfloat16, torch.bfloat16, big - 1)["BLOCK_N"] == 128
     config = paged_attention.decode_config(128, torch.float16, torch.float16, big)
-    assert config["BLOCK_N"] == 64
+    assert (config["BLOCK_N"], config["num_warps"]) == (64, 2)
     seq_lens = [300, 1, 129]
     qsl, lens, table, num_blocks = make_batch([1] * len(seq_lens), seq_lens, 16)
     k_cache, v_cache = random_cache(num_blocks, 16, 2, 128, torch.float16)

@@ -682,25 +682,40 @@ DECODE_MIN_TOKENS_PER_SPLIT = 128  # a split shorter than this costs more than i
 DECODE_MAX_SPLITS = 32
 
 
-# From this many sequences in a decode batch, 16-bit caches read in 64-key tiles (see decode_config).
-DECODE_SHORT_TILE_MIN_SEQS = 192
+# Decode tiles by batch size (see decode_config): from this many sequences 16-bit caches read
+# in 64-key tiles; FP8 caches in 128-key tiles below FP8_DECODE_MID_TILE_MIN_SEQS, 64-key
+# tiles from there, and one warp's 32-key tiles from FP8_DECODE_ONE_WARP_MIN_SEQS.
+DECODE_SHORT_TILE_MIN_SEQS = 160
+FP8_DECODE_MID_TILE_MIN_SEQS = 128
+FP8_DECODE_ONE_WARP_MIN_SEQS = 176
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, num_seqs: int) -> dict:
     """Tile sizes for the split-KV decode kernel (memory-bound: K/V tiles in flight matter),
     for a batch of num_seqs queries of `dtype` over a cache of `cache_dtype`.
 
-    Tuned for D=128 on an H200 over W1's decode batches (benchmarks/kernels/decode_w1.py):
-    a 16-bit cache reads fastest in 128-key tiles, two stages, 4 warps (8 warps, fewer
-    warps or more splits are slower), but from DECODE_SHORT_TILE_MIN_SEQS sequences (every
-    context in one split, several programs per SM) in 64-key tiles; an FP8 cache in 64-key
-    tiles, three stages, 2 warps. Rows over 256 bytes (D=256, or fp32 at D=128) keep 16 KB
-    K/V tiles (not re-tuned)."""
+    Tuned for D=128 on an H200 over W1's decode batches (benchmarks/kernels/decode_w1.py),
+    per batch size: with few sequences (several splits per context, or few programs per SM)
+    bigger tiles keep more bytes in flight per program; with many (every context in one
+    split, several programs per SM) smaller programs do, and an FP8 tile costs more
+    instructions per byte (the widening), so there one warp, free of cross-warp reductions,
+    is fastest. A 16-bit cache: 128-key tiles, two stages, 4 warps; from
+    DECODE_SHORT_TILE_MIN_SEQS sequences 64-key tiles with 2 warps. An FP8 cache: 128-key
+    tiles, three stages, 4 warps; 64-key tiles with 2 warps from
+    FP8_DECODE_MID_TILE_MIN_SEQS; 32-key tiles with one warp from
+    FP8_DECODE_ONE_WARP_MIN_SEQS. Rows over 256 bytes (D=256, or fp32 at D=128) keep
+    16 KB K/V tiles (not re-tuned)."""
     if cache_dtype == torch.float8_e4m3fn and head_dim <= 128:
-        return dict(BLOCK_N=64, num_warps=2, num_stages=3)
+        if num_seqs >= FP8_DECODE_ONE_WARP_MIN_SEQS:
+            return dict(BLOCK_N=32, num_warps=1, num_stages=3)
+        if num_seqs >= FP8_DECODE_MID_TILE_MIN_SEQS:
+            return dict(BLOCK_N=64, num_warps=2, num_stages=3)
+        return dict(BLOCK_N=128, num_warps=4, num_stages=3)
     row_bytes = head_dim * dtype.itemsize
     if row_bytes <= 256:
-        return dict(BLOCK_N=64 if num_seqs >= DECODE_SHORT_TILE_MIN_SEQS else 128, num_warps=4, num_stages=2)
+        if num_seqs >= DECODE_SHORT_TILE_MIN_SEQS:
+            return dict(BLOCK_N=64, num_warps=2, num_stages=2)
+        return dict(BLOCK_N=128, num_warps=4, num_stages=2)
     if row_bytes <= 512:
         return dict(BLOCK_N=32, num_warps=4, num_stages=3)
     return dict(BLOCK_N=16, num_warps=4, num_stages=2)
