@@ -152,6 +152,12 @@ def engine_calls() -> dict[str, Callable[[], Any]]:
             calls[f"decode, {splits} splits, {cache_name}"] = lambda decode_q=decode_q, k_cache=k_cache, \
                 v_cache=v_cache, splits=splits: paged_attention.paged_attention_decode(
                     decode_q, k_cache, v_cache, seq_lens, block_tables, 0.088, splits)
+        for batch in (160, 256):  # decode_config's tiles for big batches, on this small batch's launch
+            calls[f"decode, tiles for {batch} sequences, {cache_name}"] = lambda decode_q=decode_q, \
+                k_cache=k_cache, v_cache=v_cache, cache_dtype=cache_dtype, batch=batch: \
+                paged_attention.paged_attention_decode(
+                    decode_q, k_cache, v_cache, seq_lens, block_tables, 0.088, 1,
+                    config=paged_attention.decode_config(d, bf16, cache_dtype, batch))
         calls[f"cascade decode, {cache_name}"] = lambda decode_q=decode_q, k_cache=k_cache, v_cache=v_cache: \
             paged_attention.paged_attention_decode_shared_prefix(
                 decode_q, k_cache, v_cache, seq_lens, block_tables, torch.ones(1, dtype=torch.int32), 0.088,
