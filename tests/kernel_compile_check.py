@@ -131,6 +131,8 @@ def engine_calls() -> dict[str, Callable[[], Any]]:
     positions = torch.arange(45)
     cos_sin = torch.zeros(4096, 2, d)
     calls: dict[str, Callable[[], Any]] = {}
+    decode_tile_batches = (paged_attention.DECODE_SHORT_TILE_MIN_SEQS, paged_attention.FP8_DECODE_MID_TILE_MIN_SEQS,
+                           paged_attention.FP8_DECODE_ONE_WARP_MIN_SEQS)
     for cache_name, cache_dtype in (("bf16 cache", bf16), ("fp8 cache", torch.float8_e4m3fn)):
         k_cache = torch.zeros(num_blocks, block_size, hkv, d, dtype=cache_dtype)
         v_cache = torch.zeros_like(k_cache)
@@ -152,12 +154,14 @@ def engine_calls() -> dict[str, Callable[[], Any]]:
             calls[f"decode, {splits} splits, {cache_name}"] = lambda decode_q=decode_q, k_cache=k_cache, \
                 v_cache=v_cache, splits=splits: paged_attention.paged_attention_decode(
                     decode_q, k_cache, v_cache, seq_lens, block_tables, 0.088, splits)
-        for batch in (160, 256):  # decode_config's tiles for big batches, on this small batch's launch
+        # decode_config's tiles for bigger batches (each distinct one once), on this batch's launch.
+        big_batch_configs = {str(config): (batch, config) for batch in decode_tile_batches
+                             if (config := paged_attention.decode_config(d, bf16, cache_dtype, batch))
+                             != paged_attention.decode_config(d, bf16, cache_dtype, num_seqs)}
+        for batch, config in big_batch_configs.values():
             calls[f"decode, tiles for {batch} sequences, {cache_name}"] = lambda decode_q=decode_q, \
-                k_cache=k_cache, v_cache=v_cache, cache_dtype=cache_dtype, batch=batch: \
-                paged_attention.paged_attention_decode(
-                    decode_q, k_cache, v_cache, seq_lens, block_tables, 0.088, 1,
-                    config=paged_attention.decode_config(d, bf16, cache_dtype, batch))
+                k_cache=k_cache, v_cache=v_cache, config=config: paged_attention.paged_attention_decode(
+                    decode_q, k_cache, v_cache, seq_lens, block_tables, 0.088, 1, config=config)
         calls[f"cascade decode, {cache_name}"] = lambda decode_q=decode_q, k_cache=k_cache, v_cache=v_cache: \
             paged_attention.paged_attention_decode_shared_prefix(
                 decode_q, k_cache, v_cache, seq_lens, block_tables, torch.ones(1, dtype=torch.int32), 0.088,

@@ -682,9 +682,7 @@ DECODE_MIN_TOKENS_PER_SPLIT = 128  # a split shorter than this costs more than i
 DECODE_MAX_SPLITS = 32
 
 
-# Decode tiles by batch size (see decode_config): from this many sequences 16-bit caches read
-# in 64-key tiles; FP8 caches in 128-key tiles below FP8_DECODE_MID_TILE_MIN_SEQS, 64-key
-# tiles from there, and one warp's 32-key tiles from FP8_DECODE_ONE_WARP_MIN_SEQS.
+# The batch sizes at which decode_config's tiles change.
 DECODE_SHORT_TILE_MIN_SEQS = 160
 FP8_DECODE_MID_TILE_MIN_SEQS = 128
 FP8_DECODE_ONE_WARP_MIN_SEQS = 176
