@@ -115,6 +115,15 @@ def test_own_keys_heads_per_program_divide_the_kv_heads(num_kv_heads, heads):
     assert cfg["HEADS"] * cfg["BLOCK_N"] == 64  # key rows per tile: 16 KB of bf16 keys at D=128
 
 
+@pytest.mark.parametrize("cache_dtype,block_n,stages", [(torch.bfloat16, 64, 3), (torch.float8_e4m3fn, 128, 2)])
+def test_shared_prefix_tiles_follow_the_cache_dtype(cache_dtype, block_n, stages):
+    # W3's step: 512 (sequence, head) rows per KV head. 16-bit caches take 64-key tiles in
+    # three stages; FP8 caches keep the mixed kernel's 128 keys in two (measured faster there).
+    cfg = pa.shared_prefix_config(128, torch.bfloat16, cache_dtype, 512)
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"]) == (128, block_n, stages)
+    assert pa.shared_prefix_config(128, torch.bfloat16, cache_dtype, 40)["BLOCK_M"] == 64  # rows cut to a power of two
+
+
 def test_cascade_small_row_tiles():
     """BLOCK_M 16 over 6 sequences x GQA 4 = 24 rows: two row tiles, the second partly
     padding; BLOCK_N 16 over a 40-token prefix: a ragged last prefix tile."""

@@ -89,7 +89,7 @@ def main() -> None:
 
     # Cascade: split counts as TritonAttentionBackend picks them, then the sweep's.
     rows = NUM_SEQS * (HQ // HKV)
-    default_cfg = pa.shared_prefix_config(D, DTYPE, rows)
+    default_cfg = pa.shared_prefix_config(D, DTYPE, k_cache.dtype, rows)
     suffix_splits = pa.decode_num_splits(NUM_SEQS, HKV, max(seq_lens) - PREFIX_LEN, sms)
     prefix_splits = pa.shared_prefix_num_splits(
         triton.cdiv(rows, default_cfg["BLOCK_M"]), HKV, PREFIX_LEN, sms)

@@ -147,7 +147,7 @@ class TritonAttentionBackend:
         num_kv_heads = k_cache.shape[2]
         num_sms = self._sm_count(q.device)
         num_rows = num_seqs * (num_q_heads // num_kv_heads)  # (sequence, head) rows per KV head
-        prefix_cfg = shared_prefix_config(head_dim, q.dtype, num_rows)
+        prefix_cfg = shared_prefix_config(head_dim, q.dtype, k_cache.dtype, num_rows)
         num_row_tiles = cdiv(num_rows, prefix_cfg["BLOCK_M"])
         prefix_splits = shared_prefix_num_splits(num_row_tiles, num_kv_heads, max_seq_len, num_sms,
                                                  self.max_splits)
@@ -170,7 +170,7 @@ class TritonAttentionBackend:
         device = k_cache.device
         batch_for_tile = {}  # BLOCK_M -> a batch size that uses it
         for num_seqs in range(1, max_num_seqs + 1):
-            block_m = shared_prefix_config(head_dim, dtype, num_seqs * gqa)["BLOCK_M"]
+            block_m = shared_prefix_config(head_dim, dtype, k_cache.dtype, num_seqs * gqa)["BLOCK_M"]
             batch_for_tile.setdefault(block_m, num_seqs)
         for num_seqs in batch_for_tile.values():
             meta = AttentionMetadata(
