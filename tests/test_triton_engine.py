@@ -118,8 +118,8 @@ def test_padded_steps_compute_what_unpadded_steps_do(model_dir: str, few_seqs: i
         shapes.append(graphs.padded_shape(new_tokens))
         eager = runner.execute_model(runner.prepare_inputs(batch))
         padded = runner.execute_model(runner.prepare_inputs(batch, shapes[-1]))
-        # fp32 on the CPU: torch's GEMMs may round differently for 3 rows than for 4 (seen:
-        # 2e-5 on logits of ~0.5); a padding error moves logits by orders of magnitude more.
+        # fp32 on the CPU: torch's GEMMs may round differently for 3 rows than for 4 (a few
+        # 1e-5 on these logits); a padding error moves logits by orders of magnitude more.
         torch.testing.assert_close(padded, eager, atol=1e-4, rtol=1e-4)
         for i, n in zip(order, new_tokens):
             seqs[i].num_computed_tokens += n

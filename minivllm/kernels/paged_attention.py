@@ -918,10 +918,9 @@ def shared_prefix_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.d
     """Tiles for the shared-prefix launch over a cache of `cache_dtype`: the mixed kernel's
     (the same many-rows x keys work), with BLOCK_M cut down to the rows there are (num_rows =
     B * GQA per KV head), except that a 16-bit cache at D <= 128 takes 64-key tiles in three
-    stages: the launch is one wave whose programs see only a few key tiles each, and on W3's
-    decode step (H200, benchmarks/kernels/cascade_attention.py --sweep) the whole cascade
-    took ~8 % less time with them than with 128 keys in two stages. Over an FP8 cache they
-    were ~7 % slower."""
+    stages: the launch is one wave whose programs see only a few key tiles each. Tuned on
+    W3's decode step on an H200 (benchmarks/kernels/cascade_attention.py --sweep), where the
+    shorter tiles won over 16-bit caches and lost over FP8 ones."""
     cfg = mixed_config(head_dim, dtype, 1)  # GQA 1: BLOCK_Q is then the whole row tile
     block_m = min(cfg["BLOCK_Q"], max(16, next_power_of_2(num_rows)))
     short_tiles = cache_dtype.itemsize == 2 and head_dim <= 128
