@@ -175,13 +175,16 @@ def test_decode_gqa3_and_padded_rows():
         check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, 0.125), torch.float32)
 
 
-def test_decode_short_tiles_for_big_batches():
+def test_decode_short_tiles_for_big_batches_and_one_sequence():
     """16-bit caches take 64-key tiles with 2 warps from DECODE_SHORT_TILE_MIN_SEQS sequences
-    (128 keys, 4 warps below); the kernel with those tiles matches the reference."""
+    and for a single one (128 keys, 4 warps between); the kernel with those tiles matches
+    the reference."""
     big = paged_attention.DECODE_SHORT_TILE_MIN_SEQS
-    assert paged_attention.decode_config(128, torch.bfloat16, torch.bfloat16, big - 1)["BLOCK_N"] == 128
+    for num_seqs in (2, big - 1):
+        assert paged_attention.decode_config(128, torch.bfloat16, torch.bfloat16, num_seqs)["BLOCK_N"] == 128
     config = paged_attention.decode_config(128, torch.float16, torch.float16, big)
     assert (config["BLOCK_N"], config["num_warps"]) == (64, 2)
+    assert paged_attention.decode_config(128, torch.bfloat16, torch.bfloat16, 1) == config
     seq_lens = [300, 1, 129]
     qsl, lens, table, num_blocks = make_batch([1] * len(seq_lens), seq_lens, 16)
     k_cache, v_cache = random_cache(num_blocks, 16, 2, 128, torch.float16)

@@ -701,8 +701,10 @@ def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, n
     DECODE_SHORT_TILE_MIN_SEQS sequences 64-key tiles with 2 warps. An FP8 cache: 128-key
     tiles, three stages, 4 warps; 64-key tiles with 2 warps from
     FP8_DECODE_MID_TILE_MIN_SEQS; 32-key tiles with one warp from
-    FP8_DECODE_ONE_WARP_MIN_SEQS. Rows over 256 bytes (D=256, or fp32 at D=128) keep
-    16 KB K/V tiles (not re-tuned)."""
+    FP8_DECODE_ONE_WARP_MIN_SEQS. One sequence over a 16-bit cache (W2's step, timed in
+    benchmarks/latency.py rather than alone: its layer is a chain of small dependent kernels)
+    takes 64-key tiles with 2 warps, so its splits are one short tile each. Rows over 256
+    bytes (D=256, or fp32 at D=128) keep 16 KB K/V tiles (not re-tuned)."""
     if cache_dtype == torch.float8_e4m3fn and head_dim <= 128:
         if num_seqs >= FP8_DECODE_ONE_WARP_MIN_SEQS:
             return dict(BLOCK_N=32, num_warps=1, num_stages=3)
@@ -711,7 +713,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, n
         return dict(BLOCK_N=128, num_warps=4, num_stages=3)
     row_bytes = head_dim * dtype.itemsize
     if row_bytes <= 256:
-        if num_seqs >= DECODE_SHORT_TILE_MIN_SEQS:
+        if num_seqs >= DECODE_SHORT_TILE_MIN_SEQS or num_seqs == 1:
             return dict(BLOCK_N=64, num_warps=2, num_stages=2)
         return dict(BLOCK_N=128, num_warps=4, num_stages=2)
     if row_bytes <= 512:
@@ -899,7 +901,7 @@ def _launch_decode_reduce(part_out, part_lse, out, num_parts: int) -> None:
         HEAD_DIM=head_dim,
         PARTS_PER_STEP=DECODE_MAX_SPLITS,  # a plain decode's parts in one step
         **pdl_options(out.device),
-        num_warps=4,
+        num_warps=1,  # a few dependent loads long: one warp needs no cross-warp sums
     )
 
 

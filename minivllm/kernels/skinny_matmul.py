@@ -113,8 +113,8 @@ def _skinny_matmul_kernel(
 
 # Split-K launch heuristic: enough programs for this many per SM, but no split shorter than
 # MIN_K_PER_SPLIT columns of K (each split adds a partial-sum write and a share of the
-# reduction). On an H200 they give Qwen3-0.6B's o and down projections 4 splits each.
-PROGRAMS_PER_SM = 2
+# reduction). On an H200 they give Qwen3-0.6B's o and down projections 4 and 6 splits.
+PROGRAMS_PER_SM = 4
 MIN_K_PER_SPLIT = 512
 MAX_SPLIT_K = 8
 
@@ -122,10 +122,12 @@ MAX_SPLIT_K = 8
 @functools.cache  # called by every eager skinny_matmul: the split heuristic once per shape
 def skinny_matmul_config(dtype: torch.dtype, n: int, k: int, device: torch.device) -> dict:
     """Tiles: 16 weight rows per program, 256 columns of K per step (128 in fp32), 4 tiles in
-    flight (32 KB of weights per program); SPLIT_K programs per strip where the strips alone
-    would not fill the GPU (N = 1,024 has 64 strips). benchmarks/kernels/skinny_matmul.py
-    --sweep times other tiles and split counts. The returned dict is shared: read it, don't
-    change it."""
+    flight (32 KB of weights per program), 2 warps; SPLIT_K programs per strip where the
+    strips alone would not fill the GPU (N = 1,024 has 64 strips). The warps and the split
+    count were chosen on W2's whole step (benchmarks/latency.py), where each projection
+    follows another kernel under PDL: there 2 warps beat the 4 that a kernel timed alone
+    prefers. benchmarks/kernels/skinny_matmul.py --sweep times other tiles and split
+    counts alone. The returned dict is shared: read it, don't change it."""
     block_n, block_k = 16, 256 if dtype.itemsize == 2 else 128
     strips = cdiv(n, block_n)
     # Where the strips alone give every SM a program (Qwen3-0.6B's qkv: 256), splitting K
@@ -135,7 +137,7 @@ def skinny_matmul_config(dtype: torch.dtype, n: int, k: int, device: torch.devic
     # Whole tiles per split: drop splits that rounding would leave empty.
     k_tiles = cdiv(k, block_k)
     split_k = cdiv(k_tiles, cdiv(k_tiles, split_k))
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=4)
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=2, num_stages=4)
 
 
 # Split-K partials and counters, one pair per (device, N, SPLIT_K, strips), shared by every call of
