@@ -125,9 +125,9 @@ def skinny_matmul_config(dtype: torch.dtype, n: int, k: int, device: torch.devic
     flight (32 KB of weights per program), 2 warps; SPLIT_K programs per strip where the
     strips alone would not fill the GPU (N = 1,024 has 64 strips). The warps and the split
     count were chosen on W2's whole step (benchmarks/latency.py), where each projection
-    follows another kernel under PDL: there 2 warps beat the 4 that a kernel timed alone
-    prefers. benchmarks/kernels/skinny_matmul.py --sweep times other tiles and split
-    counts alone. The returned dict is shared: read it, don't change it."""
+    follows another kernel under PDL, not on the kernel timed alone
+    (benchmarks/kernels/skinny_matmul.py --sweep, which times other tiles and split counts).
+    The returned dict is shared: read it, don't change it."""
     block_n, block_k = 16, 256 if dtype.itemsize == 2 else 128
     strips = cdiv(n, block_n)
     # Where the strips alone give every SM a program (Qwen3-0.6B's qkv: 256), splitting K
