@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from minivllm.kernels import cdiv, next_power_of_2, sm_count, split_count
+from minivllm.kernels import INTERPRET, cdiv, next_power_of_2, sm_count, split_count
 
 _BLOCK = 2048  # tokens per loop iteration: 16 per thread with 4 warps, several loads in flight
 _NUM_WARPS = 4
@@ -178,7 +178,7 @@ def gumbel_max_sample(logits: torch.Tensor, seeds: torch.Tensor,
     _gumbel_max_split_kernel[(num_rows, num_splits)](
         logits, logits.stride(0), temperature if temperature is not None else logits, seeds,
         maxima, argmax, vocab_size, split_len, num_splits,
-        HAS_TEMPERATURE=temperature is not None, BLOCK=block, HW_LOG2=logits.is_cuda,
+        HAS_TEMPERATURE=temperature is not None, BLOCK=block, HW_LOG2=not INTERPRET,
         num_warps=num_warps,
     )
     if num_splits > 1:
