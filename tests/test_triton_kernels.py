@@ -274,10 +274,10 @@ GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
-@pytest.mark.parametrize("num_seqs", [64, 256])
+@pytest.mark.parametrize("num_seqs", [1, 64, 256])
 def test_gpu_decode_realistic(dtype, num_seqs):
-    """64 or 256 sequences (the tiles of big batches), contexts up to 4k, Qwen3-like heads
-    (16 q / 8 kv, D 128)."""
+    """1, 64 or 256 sequences (decode_config's tiles for one sequence, mid and big batches),
+    contexts up to 4k, Qwen3-like heads (16 q / 8 kv, D 128)."""
     gen = random.Random(5)
     seq_lens = [gen.randint(1, 4096) for _ in range(num_seqs)]
     backend = triton_backend.TritonAttentionBackend(16, 8, 128, max_num_seqs=num_seqs)
