@@ -5,9 +5,11 @@ import os
 from dataclasses import dataclass
 
 import torch
+import triton.language as tl
 
 # Kernels run as Python under Triton's interpreter (the CPU tests): no inline PTX, no libdevice.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = tl.constexpr(INTERPRET)  # the same, as a constexpr for use inside kernels
 
 
 def dot_precision(dtype: torch.dtype) -> str:

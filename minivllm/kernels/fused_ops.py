@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from minivllm.kernels import INTERPRET, SplitKPartials, cdiv, next_power_of_2
+from minivllm.kernels import INTERPRETED, SplitKPartials, cdiv, next_power_of_2
 from minivllm.kernels.pdl import pdl_options, wait_for_previous_kernel
 
 FP8_E4M3_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -378,7 +378,6 @@ def qk_norm_rope_store(
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_xn, inter,
     BLOCK: tl.constexpr,
-    ACCURATE_EXP: tl.constexpr,  # libdevice's expf (CUDA's, as torch uses) over tl.exp's ex2.approx
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     # Grid (rows, column blocks): even one decode token spreads over several SMs.
@@ -390,10 +389,12 @@ def _silu_and_mul_kernel(
     gate = tl.load(x_ptr + row * stride_xn + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_xn + inter + cols, mask=mask, other=0.0).to(tl.float32)
     # torch's silu: x / (1 + exp(-x)) in float32, rounded to the model dtype before `* up`.
-    if ACCURATE_EXP:
-        exp_neg = libdevice.exp(-gate)
-    else:
+    # Compiled: libdevice's expf (CUDA's, as torch uses) over tl.exp's ex2.approx; the
+    # interpreter has no libdevice.
+    if INTERPRETED:
         exp_neg = tl.exp(-gate)
+    else:
+        exp_neg = libdevice.exp(-gate)
     silu = tl.math.div_rn(gate, 1.0 + exp_neg).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * inter + cols, (silu * up).to(dtype), mask=mask)
 
@@ -415,6 +416,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block, num_warps = _silu_launch_config(inter)
     _silu_and_mul_kernel[(num_tokens, cdiv(inter, block))](
-        x, out, x.stride(0), inter, BLOCK=block, ACCURATE_EXP=not INTERPRET,
+        x, out, x.stride(0), inter, BLOCK=block,
         **pdl_options(x.device), num_warps=num_warps)
     return out

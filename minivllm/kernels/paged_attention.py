@@ -43,11 +43,10 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels import INTERPRET, cdiv, dot_precision, next_power_of_2, split_count
+from minivllm.kernels import INTERPRETED, cdiv, dot_precision, next_power_of_2, split_count
 from minivllm.kernels.pdl import pdl_options, wait_for_previous_kernel
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2 (exp2 is the native instruction)
-_INTERPRET = tl.constexpr(INTERPRET)  # a constexpr, for use inside kernels
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -86,7 +85,7 @@ def _load_e4m3_as_f16(ptr, row_offs, row_valid, ROWS: tl.constexpr, HEAD_DIM: tl
         w = tl.load(ptrs, mask=row_valid[:, None], other=0)
     else:
         w = tl.load(ptrs)
-    if _INTERPRET:  # inline PTX does not run in Triton's interpreter
+    if INTERPRETED:  # inline PTX does not run in Triton's interpreter
         b0 = _e4m3_bits_to_f16(w & 0xFF)
         b1 = _e4m3_bits_to_f16((w >> 8) & 0xFF)
         b2 = _e4m3_bits_to_f16((w >> 16) & 0xFF)

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from minivllm.kernels import INTERPRET, cdiv, next_power_of_2, sm_count, split_count
+from minivllm.kernels import INTERPRETED, cdiv, next_power_of_2, sm_count, split_count
 
 _BLOCK = 2048  # tokens per loop iteration: 16 per thread with 4 warps, several loads in flight
 _NUM_WARPS = 4
@@ -46,25 +46,25 @@ _REDUCE_BLOCK = 128  # splits per iteration of the second pass
 
 
 @triton.jit
-def _log(x, HW_LOG2: tl.constexpr):
-    """Natural log. HW_LOG2: through the GPU's approximate log2 instruction (lg2.approx,
+def _log(x):
+    """Natural log. Compiled: through the GPU's approximate log2 instruction (lg2.approx,
     relative error ~2**-22), one instruction where tl.log is a ~30-instruction libdevice
     routine; two logs per token made those routines most of the kernel's work. The
     interpreter has no such instruction (and needs none): tl.log."""
-    if HW_LOG2:
-        return 0.6931471805599453 * libdevice.fast_log2f(x)
-    return tl.log(x)
+    if INTERPRETED:
+        return tl.log(x)
+    return 0.6931471805599453 * libdevice.fast_log2f(x)
 
 
 @triton.jit
-def _gumbel_noise(bits, HW_LOG2: tl.constexpr):
+def _gumbel_noise(bits):
     """Gumbel(0, 1) noise from uniform uint32 words, as the module docstring derives it."""
     tl.static_assert(bits.dtype == tl.uint32)  # a signed word would make w negative
     w = (bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10  # 2**-32; never 0
     w = tl.minimum(w, 0.99999994)  # 1 - 2**-24: r near 2**32 rounds w to 1.0
     series = w + w * w * (0.5 + w * (0.3333333333333333 + w * 0.25))
-    e = tl.where(w < 0.015625, series, -_log(1.0 - w, HW_LOG2))  # -log(1 - w), accurate near w = 0
-    return -_log(e, HW_LOG2)
+    e = tl.where(w < 0.015625, series, -_log(1.0 - w))  # -log(1 - w), accurate near w = 0
+    return -_log(e)
 
 
 # num_splits follows the batch size: one compilation for all of them (split_len is a
@@ -78,7 +78,6 @@ def _gumbel_max_split_kernel(
     vocab_size, split_len, num_splits,
     HAS_TEMPERATURE: tl.constexpr,
     BLOCK: tl.constexpr,  # a multiple of 4; split_len is a multiple of BLOCK
-    HW_LOG2: tl.constexpr,  # see _log
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -103,9 +102,9 @@ def _gumbel_max_split_kernel(
         bits = tl.where(q == 0, r0[:, None], tl.where(q == 1, r1[:, None],
                                                       tl.where(q == 2, r2[:, None], r3[:, None])))
         if HAS_TEMPERATURE:
-            score = x + temperature * _gumbel_noise(bits, HW_LOG2)
+            score = x + temperature * _gumbel_noise(bits)
         else:
-            score = x + _gumbel_noise(bits, HW_LOG2)
+            score = x + _gumbel_noise(bits)
         # Strictly greater: each lane keeps the first of equal scores (its tokens ascend).
         better = score > best
         best = tl.where(better, score, best)
@@ -178,7 +177,7 @@ def gumbel_max_sample(logits: torch.Tensor, seeds: torch.Tensor,
     _gumbel_max_split_kernel[(num_rows, num_splits)](
         logits, logits.stride(0), temperature if temperature is not None else logits, seeds,
         maxima, argmax, vocab_size, split_len, num_splits,
-        HAS_TEMPERATURE=temperature is not None, BLOCK=block, HW_LOG2=not INTERPRET,
+        HAS_TEMPERATURE=temperature is not None, BLOCK=block,
         num_warps=num_warps,
     )
     if num_splits > 1:
