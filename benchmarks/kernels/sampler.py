@@ -1,7 +1,7 @@
-"""Microbenchmark of random sampling: the old torch passes vs the Gumbel-max kernel (GPU only).
+"""Microbenchmark of random sampling: the old torch passes vs the Gumbel-max kernels (GPU only).
 
     python -m benchmarks.kernels.sampler            # the table (< 1 min)
-    python -m benchmarks.kernels.sampler --sweep    # also try other launch configs of the kernel
+    python -m benchmarks.kernels.sampler --sweep    # also try other chunk sizes and warp counts
 
 Logits [B, V] in bf16 (the lm head's dtype), V = 151,936 (Qwen3's vocabulary), B = 1, 64,
 256; every row random with temperature 0.6 (W1's sampling). Variants:
@@ -79,29 +79,22 @@ def table(peak: float) -> None:
 
 
 def sweep() -> None:
-    """The kernel (bf16, with T) under other launch configs (a monkeypatched heuristic)."""
-    print("\n== sweep (kernel only), do_bench us")
-    original = sampling._launch_config
+    """The kernels (bf16, with T) with other chunk sizes and warp counts (monkeypatched)."""
+    print("\n== sweep (kernels only), do_bench us")
+    original = sampling._CHUNK, sampling._NUM_WARPS
     try:
         for num_rows in SIZES:
             fn, _ = variants(num_rows)["kernel"]
-            for block in (512, 1024, 2048, 4096):
+            for chunk in (1024, 2048, 4096, 8192):
                 for warps in (4, 8):
-                    for per_sm in (2, 4, 8):
-                        def config(b: int, v: int, d: torch.device, block: int = block,
-                                   warps: int = warps, per_sm: int = per_sm) -> tuple[int, int, int]:
-                            want = triton.cdiv(per_sm * sampling.sm_count(d), b)
-                            return block, max(1, min(want, triton.cdiv(v, max(block, 2048)))), warps
-                        sampling._launch_config = config
-                        splits = config(num_rows, VOCAB, torch.device("cuda", 0))[1]
-                        print(f"   B={num_rows:4d} BLOCK={block:5d} warps={warps} programs/SM={per_sm} "
-                              f"(splits {splits:4d}): {time_us(fn):7.1f}", flush=True)
+                    sampling._CHUNK, sampling._NUM_WARPS = chunk, warps
+                    print(f"   B={num_rows:4d} CHUNK={chunk:5d} warps={warps}: {time_us(fn):7.1f}", flush=True)
     finally:
-        sampling._launch_config = original
+        sampling._CHUNK, sampling._NUM_WARPS = original
 
 
 def main() -> None:
-    args, peak = kernel_benchmark_args(__doc__, "also time other launch configs")
+    args, peak = kernel_benchmark_args(__doc__, "also time other chunk sizes and warp counts")
     print(f"logits [B, {VOCAB}] bf16, temperature {TEMPERATURE}, every row random")
     with torch.inference_mode():
         table(peak)

@@ -10,8 +10,9 @@ One step, for a batch of B rows of logits [B, V]:
    tokens to -inf; then sample with the Gumbel-max trick: argmax(logits + T * Gumbel noise)
    (T = 1 once divided), the same as argmax(logits / T + noise), is a sample from
    softmax(logits / T), with no softmax computed. With the Triton kernels (kernels="triton")
-   this is one kernel (minivllm/kernels/sampling.py) that draws the noise in registers;
-   otherwise the same formula in torch (`gumbel_noise`). A seeded row draws its randomness
+   two kernels (minivllm/kernels/sampling.py) draw the same distribution in two levels,
+   chunks of the vocabulary then tokens of one chunk, the noise in registers; otherwise
+   the formula in torch (`gumbel_noise`). A seeded row draws its randomness
    from its own generator, so its tokens do not depend on what else is in the batch or where
    its row is.
 
@@ -348,12 +349,12 @@ def _top_k_top_p_cutoff(logits: torch.Tensor, meta: SamplingMetadata) -> torch.T
 
 def gumbel_max_sample(logits: torch.Tensor, temperature: torch.Tensor | None,
                       generators: dict[int, torch.Generator], use_triton: bool) -> torch.Tensor:
-    """[B] int64: per row, argmax_j(logits_j + T * G_j) with G_j ~ Gumbel(0, 1) i.i.d., a
-    sample from softmax(logits / T) (temperature None: T = 1, the logits are scaled already).
+    """[B] int64: per row, a sample from softmax(logits / T) (temperature None: T = 1, the
+    logits are scaled already): argmax_j(logits_j + T * G_j) with G_j ~ Gumbel(0, 1) i.i.d.
 
     Seeded rows take their randomness from their own generator only; the other rows from
     the device's default generator. With Triton: one Philox key per row and step (the
-    kernel derives token j's noise from (key, j)). In torch: 32-bit words per token,
+    kernels derive all of the row's noise from it, in two levels). In torch: 32-bit words per token,
     turned into noise by gumbel_noise. Either way a row's noise does not depend on the
     batch. No host synchronisation."""
     num_rows, vocab_size = logits.shape
