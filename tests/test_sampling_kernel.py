@@ -146,17 +146,18 @@ def test_sample_depends_on_seed_and_logits_only() -> None:
 def test_minus_inf_never_picked_and_ties_go_to_the_first(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
     monkeypatch.setattr(sampling, "_CHUNK", chunk)
     vocab = 256
-    logits = torch.full((4, vocab), -INF)
+    logits = torch.full((5, vocab), -INF)
     logits[0, [3, 130, 255]] = -40.0  # very unlikely tokens, but the only finite ones
     logits[1, [200, 60]] = INF  # equal scores (inf + noise): the first index wins
     logits[2] = 0.0
     logits[2, 17] = 1e4  # certain whatever the noise
-    # Row 3: nothing finite at all; answers token 0 rather than garbage.
+    # Row 3: nothing finite at all, row 4 NaN (a broken model): token 0 rather than garbage.
+    logits[4] = float("nan")
     for seed in range(3):
-        seeds = torch.tensor([seed, seed + 10, seed + 20, seed + 30])
-        sampled = sampling.gumbel_max_sample(logits, seeds, torch.tensor([5.0, 1.0, 1.0, 1.0]))
+        seeds = torch.tensor([seed, seed + 10, seed + 20, seed + 30, seed + 40])
+        sampled = sampling.gumbel_max_sample(logits, seeds, torch.tensor([5.0, 1.0, 1.0, 1.0, 1.0]))
         assert sampled[0].item() in {3, 130, 255}
-        assert sampled[1:].tolist() == [60, 17, 0]
+        assert sampled[1:].tolist() == [60, 17, 0, 0]
 
 
 @pytest.mark.usefixtures("small_chunks")

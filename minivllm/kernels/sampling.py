@@ -143,6 +143,7 @@ def _sample_in_chunk_kernel(
         score = x + tl.load(temperature_ptr + row) * _gumbel_noise(bits)
     else:
         score = x + _gumbel_noise(bits)
+    score = tl.where(score == score, score, float("-inf"))  # NaN logits (a broken model) never win
     top = tl.max(tl.max(score, axis=1), axis=0)
     # The first of equal scores; a chunk with no finite logit (a row with none) answers its first token.
     first = tl.min(tl.min(tl.where(score == top, cols, vocab_size), axis=1), axis=0)
