@@ -56,9 +56,13 @@ def test_partial_sums_add_up_in_the_add_rms_norm(dtype):
     torch.testing.assert_close(normed, want_normed, atol=2 * TOL[dtype], rtol=2 * TOL[dtype])
 
 
-def test_config_splits_only_partial_sums_and_never_leaves_a_split_empty():
-    cpu = torch.device("cpu")  # sm_count 4: few output tiles already fill it
-    assert batch_matmul_config(torch.float16, 8, 64, 2048, cpu, partial_sums=False)["SPLIT_K"] == 1
+def test_config_fills_the_gpu_and_never_leaves_a_split_empty():
+    """Too few output tiles: partial sums split K, other outputs take narrower tiles."""
+    cpu = torch.device("cpu")  # sm_count 4
+    few = batch_matmul_config(torch.float16, 8, 128, 2048, cpu, partial_sums=False)
+    assert few["SPLIT_K"] == 1 and few["BLOCK_N"] == 32
+    assert batch_matmul_config(torch.float16, 256, 1024, 2048, cpu, partial_sums=False)["BLOCK_N"] == 128
+    assert batch_matmul_config(torch.float16, 8, 128, 2048, cpu, partial_sums=True)["BLOCK_N"] == 128
     for k in (128, 192, 2048, 3072, 100):
         split = batch_matmul_config(torch.float16, 8, 64, k, cpu, partial_sums=True)["SPLIT_K"]
         tiles = -(-k // 64)

@@ -97,12 +97,15 @@ def _batch_matmul_kernel(
 def batch_matmul_config(dtype: torch.dtype, num_rows: int, n: int, k: int, device: torch.device,
                         partial_sums: bool) -> dict:
     """Tiles of 64 rows x 128 output features x 64 of K (32 of K in fp32), 4 warps (one
-    warpgroup: Hopper's wgmma), 4 stages; with partial_sums, SPLIT_K programs per output tile
-    where the tiles alone would leave most SMs idle (at most MAX_SPLIT_K, each split at least
-    two K tiles). The returned dict is shared: read it, don't change it."""
+    warpgroup: Hopper's wgmma), 4 stages. Where the tiles alone would leave SMs idle: with
+    partial_sums, SPLIT_K programs per output tile (at most MAX_SPLIT_K, each split at least
+    two K tiles); without, narrower tiles (down to 32 features). The returned dict is shared:
+    read it, don't change it."""
     block_m, block_n, block_k = 64, 128, 64 if dtype.itemsize == 2 else 32
-    tiles = cdiv(num_rows, block_m) * cdiv(n, block_n)
-    k_tiles = cdiv(k, block_k)
+    row_tiles, k_tiles = cdiv(num_rows, block_m), cdiv(k, block_k)
+    while not partial_sums and block_n > 32 and row_tiles * cdiv(n, block_n) < sm_count(device):
+        block_n //= 2
+    tiles = row_tiles * cdiv(n, block_n)
     split_k = max(1, min(MAX_SPLIT_K, sm_count(device) // tiles, k_tiles // 2)) if partial_sums else 1
     split_k = cdiv(k_tiles, cdiv(k_tiles, split_k))  # whole tiles per split: no empty split
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=4)
