@@ -41,9 +41,9 @@ def test_batch_matmul_matches_linear(dtype, num_rows, n, k, bias, config):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_partial_sums_add_up_in_the_add_rms_norm(dtype):
-    """Split-K partials (with a ragged last split) summed by the add-RMSNorm that follows the
-    row-parallel projections: as if the product had been stored first."""
-    num_rows, n, k = 20, 64, 112
+    """Split-K partials (the last split ending in a ragged K tile) summed by the add-RMSNorm
+    that follows the row-parallel projections: as if the product had been stored first."""
+    num_rows, n, k = 20, 64, 120  # 3 splits of 48, 48 and 24 columns
     x, weight, _, want = operands(num_rows, n, k, dtype, False)
     config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, SPLIT_K=3, num_warps=4, num_stages=2)
     out = batch_matmul(x, weight, partial_sums=True, config=config)
@@ -56,8 +56,9 @@ def test_partial_sums_add_up_in_the_add_rms_norm(dtype):
     torch.testing.assert_close(normed, want_normed, atol=2 * TOL[dtype], rtol=2 * TOL[dtype])
 
 
-def test_config_fills_the_gpu_and_never_leaves_a_split_empty():
-    """Too few output tiles: partial sums split K, other outputs take narrower tiles."""
+def test_config_fills_the_gpu_and_splits_k_evenly():
+    """Too few output tiles: partial sums split K (into equal whole tiles), other outputs take
+    narrower tiles."""
     cpu = torch.device("cpu")  # sm_count 4
     few = batch_matmul_config(torch.float16, 8, 128, 2048, cpu, partial_sums=False)
     assert few["SPLIT_K"] == 1 and few["BLOCK_N"] == 32
@@ -66,7 +67,7 @@ def test_config_fills_the_gpu_and_never_leaves_a_split_empty():
     for k in (128, 192, 2048, 3072, 100):
         split = batch_matmul_config(torch.float16, 8, 64, k, cpu, partial_sums=True)["SPLIT_K"]
         tiles = -(-k // 64)
-        assert 1 <= split <= min(4, max(1, tiles // 2)) and (split - 1) * -(-tiles // split) < tiles
+        assert 1 <= split <= min(4, max(1, tiles // 2)) and tiles % split == 0
 
 
 def test_linear_layers_route_decode_batches_of_chosen_weights(monkeypatch):
@@ -89,10 +90,36 @@ def test_linear_layers_route_decode_batches_of_chosen_weights(monkeypatch):
     assert rows_seen == [MIN_ROWS, MAX_ROWS]
 
 
-def test_not_chosen_without_pdl():
-    """Its gain is the weight prefetch that PDL overlaps with the kernel before: without PDL
-    (here, the interpreter), cuBLAS keeps every weight."""
+@pytest.mark.parametrize("partial_sums", [False, True])
+def test_choosing_runs_every_launch_configuration(monkeypatch, partial_sums):
+    """Only with PDL (its gain is the weight prefetch that PDL overlaps with the kernel before);
+    deciding launches every configuration that 5 to 256 rows take (so that none is compiled
+    inside a step) and checks each against F.linear."""
+    weight = torch.randn(256, 256, dtype=torch.float16, device=DEVICE) / 16
+    assert not batch_module.chosen(weight, partial_sums=partial_sums)  # the interpreter: no PDL
+    monkeypatch.setattr(batch_module, "_chosen", {})
+    monkeypatch.setattr(batch_module, "pdl_enabled", lambda device: True)  # the launches still run without
+    launched = set()
+    real = batch_module.batch_matmul
+
+    def spy(x, w, b=None, partial=False, config=None):
+        launched.add(str(batch_matmul_config(x.dtype, x.shape[0], *w.shape, x.device, partial)))
+        return real(x, w, b, partial, config)
+
+    monkeypatch.setattr(batch_module, "batch_matmul", spy)
+    assert batch_module.chosen(weight, partial_sums=partial_sums)
+    assert launched == {str(batch_matmul_config(torch.float16, rows, 256, 256, weight.device, partial_sums))
+                        for rows in range(MIN_ROWS, MAX_ROWS + 1)}
+    assert len(launched) > 1
+
+
+def test_a_kernel_that_disagrees_is_not_chosen(monkeypatch, caplog):
+    monkeypatch.setattr(batch_module, "_chosen", {})
+    monkeypatch.setattr(batch_module, "pdl_enabled", lambda device: True)
+    monkeypatch.setattr(batch_module, "batch_matmul", lambda x, w, b=None, partial=False: torch.zeros(
+        x.shape[0], w.shape[0], dtype=x.dtype, device=x.device))
     assert not batch_module.chosen(torch.randn(64, 64, dtype=torch.float16, device=DEVICE))
+    assert "disagrees with F.linear" in caplog.text
 
 
 @pytest.mark.gpu
@@ -107,4 +134,4 @@ def test_gpu_qwen3_projections(num_rows, n, k, partial_sums):
     out = batch_matmul(x, weight, partial_sums=partial_sums)
     got = out.parts.sum(0) if isinstance(out, SplitKPartials) else out
     torch.testing.assert_close(got.double(), want, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
-    assert batch_module.chosen(weight)
+    assert batch_module.chosen(weight, partial_sums=partial_sums)

@@ -142,9 +142,9 @@ def test_padded_steps_compute_what_unpadded_steps_do(model_dir: str, few_seqs: i
 def test_small_batch_linear_kernels_in_the_engine_match_hf(model_dir: str, monkeypatch: pytest.MonkeyPatch,
                                                            kernel: str) -> None:
     """Every linear layer routed to one kernel, as choose_small_batch_kernels routes the weights
-    where it serves them better than cuBLAS on a GPU: decode steps of up to ROUTED_ROWS sequences
-    take skinny_matmul, of MIN_ROWS to MAX_ROWS batch_matmul (prompt steps have more rows and keep
-    F.linear), and the tokens still match HF. K is split wherever it can be, so the o and down
+    where it serves them better than cuBLAS on a GPU: steps of up to ROUTED_ROWS tokens take
+    skinny_matmul, of MIN_ROWS to MAX_ROWS batch_matmul (decode steps, and here the prompt steps
+    too), bigger ones F.linear, and the tokens still match HF. K is split wherever it can be, so the o and down
     projections hand their unreduced partial sums to the add-RMSNorm after them."""
     from minivllm.kernels import SplitKPartials, batch_matmul, skinny_matmul
     from minivllm.layers.linear import ColumnParallelLinear, RowParallelLinear

@@ -1,4 +1,4 @@
-"""y = x @ W^T (+ bias) for decode batches of 5 to 256 rows: the linear layers of big decode steps.
+"""y = x @ W^T (+ bias) for 5 to 256 rows: the linear layers of big decode steps (and short prompt steps).
 
 At these sizes a projection is a few microseconds of FLOPs and weight reads, and cuBLAS's kernels
 add a launch, the first weight tiles' trip from HBM, and too few output tiles to fill the GPU
@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 # Rows this kernel serves (the largest decode batch it is tuned for); fewer go to skinny_matmul.
 MIN_ROWS, MAX_ROWS = 5, 256
 MAX_SPLIT_K = 8
+# Columns of K a program asks L2 to prefetch per weight row before it waits (2 KB of bf16).
+PREFETCH_K = 1024
 
 
 @triton.jit
@@ -50,6 +52,7 @@ def _batch_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ELEMENT_BYTES: tl.constexpr,
+    PREFETCH_K: tl.constexpr,  # columns of its weight rows a program prefetches (a multiple of 8)
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py); prefetches its weights
 ):
@@ -66,8 +69,11 @@ def _batch_matmul_kernel(
     if PDL:
         # The weights do not depend on the kernel before: fetch them while it finishes. Columns
         # past N fetch row N - 1 again; the launch checks that rows are whole 16-byte units.
+        # At most PREFETCH_K columns a row: enough to cover the wait, and no more than L2 keeps
+        # for a big weight.
         prefetched = w_ptr + tl.minimum(cols, N - 1).to(tl.int64) * stride_wn + k_begin
-        _prefetch_to_l2(prefetched, (k_end - k_begin) * ELEMENT_BYTES + tl.zeros([BLOCK_N], tl.int32))
+        num_bytes = tl.maximum(tl.minimum(k_end - k_begin, PREFETCH_K), 0) * ELEMENT_BYTES
+        _prefetch_to_l2(prefetched, num_bytes + tl.zeros([BLOCK_N], tl.int32))
     x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_begin + offs_k)[None, :]
     w_ptrs = w_rows[:, None] + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -98,8 +104,8 @@ def batch_matmul_config(dtype: torch.dtype, num_rows: int, n: int, k: int, devic
                         partial_sums: bool) -> dict:
     """Tiles of 64 rows x 128 output features x 64 of K (32 of K in fp32), 4 warps (one
     warpgroup: Hopper's wgmma), 4 stages. Where the tiles alone would leave SMs idle: with
-    partial_sums, SPLIT_K programs per output tile (at most MAX_SPLIT_K, each split at least
-    two K tiles); without, narrower tiles (down to 32 features). The returned dict is shared:
+    partial_sums, SPLIT_K programs per output tile (at most MAX_SPLIT_K, a divisor of the K
+    tiles, each split at least two); without, narrower tiles (down to 32 features). The returned dict is shared:
     read it, don't change it."""
     block_m, block_n, block_k = 64, 128, 64 if dtype.itemsize == 2 else 32
     row_tiles, k_tiles = cdiv(num_rows, block_m), cdiv(k, block_k)
@@ -107,7 +113,8 @@ def batch_matmul_config(dtype: torch.dtype, num_rows: int, n: int, k: int, devic
         block_n //= 2
     tiles = row_tiles * cdiv(n, block_n)
     split_k = max(1, min(MAX_SPLIT_K, sm_count(device) // tiles, k_tiles // 2)) if partial_sums else 1
-    split_k = cdiv(k_tiles, cdiv(k_tiles, split_k))  # whole tiles per split: no empty split
+    while k_tiles % split_k:  # as many K tiles in every split: no empty or ragged split
+        split_k -= 1
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=4)
 
 
@@ -146,6 +153,7 @@ def batch_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"],
         ELEMENT_BYTES=x.element_size(),
+        PREFETCH_K=PREFETCH_K,
         DOT_PRECISION=dot_precision(x.dtype),
         **options,
         num_warps=cfg["num_warps"],
@@ -156,25 +164,37 @@ def batch_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def prefetchable(weight: torch.Tensor) -> bool:
     """Whether the L2 prefetch can take this weight's rows: 16-byte aligned, whole 16-byte units."""
-    return weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
+    return (weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
+            and weight.shape[1] * weight.element_size() % 16 == 0)
 
 
 _chosen: dict[tuple, bool] = {}
 
 
-def chosen(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether decode batches of MIN_ROWS to MAX_ROWS rows should multiply by this weight (and
-    add this bias) here instead of in cuBLAS; decided once per shape and dtype. Only where
-    kernels launch with PDL (kernels/pdl.py): the kernel's gain is the weight read that PDL lets
-    it start before the kernel ahead of it ends, which timing it alone would not show. A kernel
-    that disagrees with cuBLAS on the weight is never chosen (an error is logged: a kernel bug)."""
-    key = (tuple(weight.shape), weight.dtype, weight.device, bias is not None)
+def chosen(weight: torch.Tensor, bias: torch.Tensor | None = None, partial_sums: bool = False) -> bool:
+    """Whether batches of MIN_ROWS to MAX_ROWS rows should multiply by this weight (and add this
+    bias; leaving partial sums if asked) here instead of in cuBLAS; decided once per shape and
+    dtype. Only where kernels launch with PDL (kernels/pdl.py): the kernel's gain is the weight
+    read that PDL lets it start before the kernel ahead of it ends, which timing it alone would
+    not show. Deciding runs every launch configuration those row counts take, so that each is
+    compiled now, not inside a step (a second's stall); a kernel that disagrees with cuBLAS on
+    the weight is never chosen (an error is logged: a kernel bug)."""
+    key = (tuple(weight.shape), weight.dtype, weight.device, bias is not None, partial_sums)
     if key not in _chosen:
         _chosen[key] = False
         if pdl_enabled(weight.device) and weight.dtype.itemsize == 2 and prefetchable(weight):
-            x = torch.randn(64, weight.shape[1], dtype=weight.dtype, device=weight.device)
-            ours, want = batch_matmul(x, weight, bias).double(), F.linear(x, weight, bias).double()
-            error = float((ours - want).norm() / want.norm().clamp_min(1e-30))
+            n, k = weight.shape
+            rows_for_config = {}  # one row count for each launch configuration
+            for num_rows in range(MIN_ROWS, MAX_ROWS + 1):
+                config = batch_matmul_config(weight.dtype, num_rows, n, k, weight.device, partial_sums)
+                rows_for_config.setdefault(str(config), num_rows)
+            error = 0.0
+            for num_rows in rows_for_config.values():
+                x = torch.randn(num_rows, k, dtype=weight.dtype, device=weight.device)
+                out = batch_matmul(x, weight, bias, partial_sums)
+                ours = (out.parts.sum(0) if isinstance(out, SplitKPartials) else out).double()
+                want = F.linear(x, weight, bias).double()
+                error = max(error, float((ours - want).norm() / want.norm().clamp_min(1e-30)))
             _chosen[key] = error <= 1e-2
             if not _chosen[key]:
                 logger.error("batch_matmul disagrees with F.linear on a %s %s weight (relative error %.2e): "

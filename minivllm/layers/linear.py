@@ -103,4 +103,5 @@ def choose_small_batch_kernels(model: nn.Module) -> None:
             # all-reduce instead.
             bias = None if isinstance(module, RowParallelLinear) else module.bias
             module.use_skinny = skinny_matmul.beats_cublas(module.weight, bias)
-            module.use_batch_matmul = batch_matmul.chosen(module.weight, bias)
+            partial_sums = isinstance(module, RowParallelLinear) and module.partial_sums
+            module.use_batch_matmul = batch_matmul.chosen(module.weight, bias, partial_sums)
