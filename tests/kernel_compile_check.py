@@ -180,10 +180,9 @@ def engine_calls() -> dict[str, Callable[[], Any]]:
             torch.zeros(1, k, dtype=bf16), torch.zeros(n, k, dtype=bf16))
     calls["skinny_matmul_partials 1024x2048 (o)"] = lambda: skinny_matmul.skinny_matmul_partials(
         torch.zeros(1, 2048, dtype=bf16), torch.zeros(1024, 2048, dtype=bf16))
-    for rows in (8, 256):  # batch_matmul_config's narrowest and widest tiles, its most and fewest splits
-        for n, k in ((4096, 1024), (1024, 2048)):  # qkv; o, whose partials the add-RMSNorm sums
-            calls[f"batch_matmul {rows} rows {n}x{k}"] = lambda rows=rows, n=n, k=k: batch_matmul.batch_matmul(
-                torch.zeros(rows, k, dtype=bf16), torch.zeros(n, k, dtype=bf16), partial_sums=n == 1024)
+    for n, k in ((4096, 1024), (1024, 2048)):  # qkv; o, whose partials the add-RMSNorm sums
+        calls[f"batch_matmul {n}x{k}"] = lambda n=n, k=k: batch_matmul.batch_matmul(
+            torch.zeros(batch_matmul.MAX_ROWS, k, dtype=bf16), torch.zeros(n, k, dtype=bf16), partial_sums=n == 1024)
     experts, top_k, moe_inter = 16, 4, 768  # Qwen3-30B-A3B's expert shapes (fewer experts)
     calls["fused_moe (Qwen3-30B-A3B experts)"] = lambda: fused_moe.fused_moe(
         torch.zeros(4, 2048, dtype=bf16), torch.zeros(experts, 2 * moe_inter, 2048, dtype=bf16),

@@ -29,7 +29,7 @@ def operands(num_rows: int, n: int, k: int, dtype: torch.dtype, bias: bool):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_rows,n,k,bias,config", [
     (MIN_ROWS, 128, 128, False, None),  # one program
-    (70, 200, 100, True, None),  # two row tiles, ragged N and K, bias
+    (MAX_ROWS, 200, 100, True, None),  # ragged N and K, bias
     (33, 64, 96, False, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, SPLIT_K=1, num_warps=4, num_stages=2)),
 ])
 def test_batch_matmul_matches_linear(dtype, num_rows, n, k, bias, config):
@@ -56,17 +56,15 @@ def test_partial_sums_add_up_in_the_add_rms_norm(dtype):
     torch.testing.assert_close(normed, want_normed, atol=2 * TOL[dtype], rtol=2 * TOL[dtype])
 
 
-def test_config_fills_the_gpu_and_splits_k_evenly():
-    """Too few output tiles: partial sums split K (into equal whole tiles), other outputs take
-    narrower tiles."""
+def test_config_splits_k_evenly_to_fill_the_gpu():
+    """Partial sums with too few output tiles split K (into equal whole tiles); other outputs never."""
     cpu = torch.device("cpu")  # sm_count 4
-    few = batch_matmul_config(torch.float16, 8, 128, 2048, cpu, partial_sums=False)
-    assert few["SPLIT_K"] == 1 and few["BLOCK_N"] == 32
-    assert batch_matmul_config(torch.float16, 256, 1024, 2048, cpu, partial_sums=False)["BLOCK_N"] == 128
-    assert batch_matmul_config(torch.float16, 8, 128, 2048, cpu, partial_sums=True)["BLOCK_N"] == 128
-    for k in (128, 192, 2048, 3072, 100):
-        split = batch_matmul_config(torch.float16, 8, 64, k, cpu, partial_sums=True)["SPLIT_K"]
-        tiles = -(-k // 64)
+    assert batch_matmul_config(torch.float16, 128, 2048, cpu, partial_sums=False)["SPLIT_K"] == 1
+    assert batch_matmul_config(torch.float16, 32, 2048, cpu, partial_sums=True)["SPLIT_K"] == 4
+    assert batch_matmul_config(torch.float16, 128, 2048, cpu, partial_sums=True)["SPLIT_K"] == 1  # 4 tiles
+    for k in (256, 384, 2048, 3072, 200):
+        split = batch_matmul_config(torch.float16, 32, k, cpu, partial_sums=True)["SPLIT_K"]
+        tiles = -(-k // 128)
         assert 1 <= split <= min(4, max(1, tiles // 2)) and tiles % split == 0
 
 
@@ -91,26 +89,23 @@ def test_linear_layers_route_decode_batches_of_chosen_weights(monkeypatch):
 
 
 @pytest.mark.parametrize("partial_sums", [False, True])
-def test_choosing_runs_every_launch_configuration(monkeypatch, partial_sums):
+def test_choosing_checks_the_kernel_at_the_fewest_and_most_rows(monkeypatch, partial_sums):
     """Only with PDL (its gain is the weight prefetch that PDL overlaps with the kernel before);
-    deciding launches every configuration that 5 to 256 rows take (so that none is compiled
-    inside a step) and checks each against F.linear."""
+    deciding runs the kernel (compiling it before any step) and checks it against F.linear."""
     weight = torch.randn(256, 256, dtype=torch.float16, device=DEVICE) / 16
     assert not batch_module.chosen(weight, partial_sums=partial_sums)  # the interpreter: no PDL
     monkeypatch.setattr(batch_module, "_chosen", {})
     monkeypatch.setattr(batch_module, "pdl_enabled", lambda device: True)  # the launches still run without
-    launched = set()
+    rows_launched = []
     real = batch_module.batch_matmul
 
-    def spy(x, w, b=None, partial=False, config=None):
-        launched.add(str(batch_matmul_config(x.dtype, x.shape[0], *w.shape, x.device, partial)))
-        return real(x, w, b, partial, config)
+    def spy(x, w, b=None, partial=False):
+        rows_launched.append(x.shape[0])
+        return real(x, w, b, partial)
 
     monkeypatch.setattr(batch_module, "batch_matmul", spy)
     assert batch_module.chosen(weight, partial_sums=partial_sums)
-    assert launched == {str(batch_matmul_config(torch.float16, rows, 256, 256, weight.device, partial_sums))
-                        for rows in range(MIN_ROWS, MAX_ROWS + 1)}
-    assert len(launched) > 1
+    assert rows_launched == [MIN_ROWS, MAX_ROWS]
 
 
 def test_a_kernel_that_disagrees_is_not_chosen(monkeypatch, caplog):
@@ -124,7 +119,7 @@ def test_a_kernel_that_disagrees_is_not_chosen(monkeypatch, caplog):
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("num_rows", [5, 64, 200, 256])
+@pytest.mark.parametrize("num_rows", [5, 33, 64])
 @pytest.mark.parametrize("n,k,partial_sums", [(4096, 1024, False), (1024, 2048, True), (6144, 1024, False),
                                                (1024, 3072, True)])
 def test_gpu_qwen3_projections(num_rows, n, k, partial_sums):

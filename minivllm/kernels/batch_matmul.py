@@ -1,8 +1,8 @@
-"""y = x @ W^T (+ bias) for 5 to 256 rows: the linear layers of big decode steps (and short prompt steps).
+"""y = x @ W^T (+ bias) for 5 to 64 rows: the linear layers of mid-sized decode steps (and short prompt steps).
 
-At these sizes a projection is a few microseconds of FLOPs and weight reads, and cuBLAS's kernels
-add a launch, the first weight tiles' trip from HBM, and too few output tiles to fill the GPU
-(N = 1,024 at 256 rows: 16 of 128 x 128). This kernel is launched with programmatic dependent
+At these sizes a projection is a few microseconds of weight reads, and cuBLAS's kernels add a
+launch, the first weight tiles' trip from HBM, and too few output tiles to fill the GPU
+(N = 1,024: 8 of 128 features). Past 64 rows cuBLAS's pipelines win back what this saves. This kernel is launched with programmatic dependent
 launch (kernels/pdl.py), and each program first asks L2 to prefetch its slice of the weight (one
 cp.async.bulk.prefetch.L2 per weight row) before it waits for the kernel before it, whose output
 is x: the weight read overlaps that kernel's tail instead of following it.
@@ -26,8 +26,8 @@ from minivllm.kernels.pdl import pdl_enabled, pdl_options, wait_for_previous_ker
 
 logger = logging.getLogger(__name__)
 
-# Rows this kernel serves (the largest decode batch it is tuned for); fewer go to skinny_matmul.
-MIN_ROWS, MAX_ROWS = 5, 256
+# Rows this kernel serves: one tile of BLOCK_M rows; fewer go to skinny_matmul, more to cuBLAS.
+MIN_ROWS, MAX_ROWS = 5, 64
 MAX_SPLIT_K = 8
 # Columns of K a program asks L2 to prefetch per weight row before it waits (2 KB of bf16).
 PREFETCH_K = 1024
@@ -100,18 +100,15 @@ def _batch_matmul_kernel(
 
 
 @functools.cache
-def batch_matmul_config(dtype: torch.dtype, num_rows: int, n: int, k: int, device: torch.device,
-                        partial_sums: bool) -> dict:
-    """Tiles of 64 rows x 128 output features x 64 of K (32 of K in fp32), 4 warps (one
-    warpgroup: Hopper's wgmma), 4 stages. Where the tiles alone would leave SMs idle: with
-    partial_sums, SPLIT_K programs per output tile (at most MAX_SPLIT_K, a divisor of the K
-    tiles, each split at least two); without, narrower tiles (down to 32 features). The returned dict is shared:
-    read it, don't change it."""
-    block_m, block_n, block_k = 64, 128, 64 if dtype.itemsize == 2 else 32
-    row_tiles, k_tiles = cdiv(num_rows, block_m), cdiv(k, block_k)
-    while not partial_sums and block_n > 32 and row_tiles * cdiv(n, block_n) < sm_count(device):
-        block_n //= 2
-    tiles = row_tiles * cdiv(n, block_n)
+def batch_matmul_config(dtype: torch.dtype, n: int, k: int, device: torch.device, partial_sums: bool) -> dict:
+    """One tile of 64 rows (every batch it serves) x 128 of K (64 in fp32), 4 warps (one
+    warpgroup: Hopper's wgmma), 4 stages; 64 output features a program, or with partial_sums 32
+    and SPLIT_K programs per output tile where the tiles alone would leave SMs idle (at most
+    MAX_SPLIT_K, a divisor of the K tiles, each split at least two). The same for every row count,
+    so one compilation serves them all. The returned dict is shared: read it, don't change it."""
+    block_m, block_k = MAX_ROWS, 128 if dtype.itemsize == 2 else 64
+    block_n = 32 if partial_sums else 64
+    tiles, k_tiles = cdiv(n, block_n), cdiv(k, block_k)
     split_k = max(1, min(MAX_SPLIT_K, sm_count(device) // tiles, k_tiles // 2)) if partial_sums else 1
     while k_tiles % split_k:  # as many K tiles in every split: no empty or ragged split
         split_k -= 1
@@ -133,7 +130,7 @@ def batch_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     assert x.stride(-1) == 1 and weight.stride(-1) == 1, "x and weight need a contiguous last dimension"
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), "bias must be a contiguous [N]"
     assert not (partial_sums and bias is not None), "a bias has no place in partial sums"
-    cfg = batch_matmul_config(x.dtype, num_rows, n, k, x.device, partial_sums) if config is None else config
+    cfg = batch_matmul_config(x.dtype, n, k, x.device, partial_sums) if config is None else config
     split_k = cfg["SPLIT_K"]
     out = (torch.empty(num_rows, n, dtype=x.dtype, device=x.device) if split_k == 1
            else torch.empty(split_k, num_rows, n, dtype=torch.float32, device=x.device))
@@ -176,21 +173,16 @@ def chosen(weight: torch.Tensor, bias: torch.Tensor | None = None, partial_sums:
     bias; leaving partial sums if asked) here instead of in cuBLAS; decided once per shape and
     dtype. Only where kernels launch with PDL (kernels/pdl.py): the kernel's gain is the weight
     read that PDL lets it start before the kernel ahead of it ends, which timing it alone would
-    not show. Deciding runs every launch configuration those row counts take, so that each is
-    compiled now, not inside a step (a second's stall); a kernel that disagrees with cuBLAS on
-    the weight is never chosen (an error is logged: a kernel bug)."""
+    not show. Deciding runs the kernel (compiling it now, not inside a step: a second's stall)
+    at the fewest and most rows; a kernel that disagrees with cuBLAS on the weight is never
+    chosen (an error is logged: a kernel bug)."""
     key = (tuple(weight.shape), weight.dtype, weight.device, bias is not None, partial_sums)
     if key not in _chosen:
         _chosen[key] = False
         if pdl_enabled(weight.device) and weight.dtype.itemsize == 2 and prefetchable(weight):
-            n, k = weight.shape
-            rows_for_config = {}  # one row count for each launch configuration
-            for num_rows in range(MIN_ROWS, MAX_ROWS + 1):
-                config = batch_matmul_config(weight.dtype, num_rows, n, k, weight.device, partial_sums)
-                rows_for_config.setdefault(str(config), num_rows)
             error = 0.0
-            for num_rows in rows_for_config.values():
-                x = torch.randn(num_rows, k, dtype=weight.dtype, device=weight.device)
+            for num_rows in (MIN_ROWS, MAX_ROWS):
+                x = torch.randn(num_rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
                 out = batch_matmul(x, weight, bias, partial_sums)
                 ours = (out.parts.sum(0) if isinstance(out, SplitKPartials) else out).double()
                 want = F.linear(x, weight, bias).double()

@@ -16,7 +16,7 @@ from minivllm.kernels import SplitKPartials
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_skinny: bool,
            use_batch_matmul: bool, partial_sums: bool = False) -> torch.Tensor | SplitKPartials:
     """F.linear; or for a small decode batch the weight-streaming kernel, for a bigger one
-    (up to 256 rows) the batch kernel, where chosen for this weight (with partial_sums and no
+    (up to 64 rows) the batch kernel, where chosen for this weight (with partial_sums and no
     bias, their output may be left as SplitKPartials)."""
     if use_skinny or use_batch_matmul:
         from minivllm.kernels import batch_matmul, skinny_matmul  # imported only where Triton is used
@@ -94,7 +94,7 @@ class RowParallelLinear(nn.Module):
 
 def choose_small_batch_kernels(model: nn.Module) -> None:
     """Route each linear layer's small batches to skinny_matmul, and its decode batches of up
-    to 256 rows to batch_matmul, where each serves its loaded weight better than cuBLAS (a GPU
+    to 64 rows to batch_matmul, where each serves its loaded weight better than cuBLAS (a GPU
     only: skinny_matmul.beats_cublas, batch_matmul.chosen)."""
     from minivllm.kernels import batch_matmul, skinny_matmul  # needs a GPU
     for module in model.modules():
