@@ -119,10 +119,12 @@ def sass_loops(sass: str) -> list[collections.Counter[str]]:
 def engine_calls() -> dict[str, Callable[[], Any]]:
     """The host calls of a Qwen3-0.6B step (bf16; a bf16 and an FP8 KV cache), with PDL on, and
     of Qwen3-30B-A3B's experts."""
-    from minivllm.kernels import SplitKPartials, fused_moe, fused_ops, paged_attention, pdl, sampling, skinny_matmul
+    from minivllm.kernels import (SplitKPartials, batch_matmul, fused_moe, fused_ops, paged_attention, pdl, sampling,
+                                  skinny_matmul)
 
     pdl.pdl_enabled = lambda device: True  # as on a Hopper GPU
     skinny_matmul.sm_count = lambda device: 132  # an H100/H200's: split-K where the GPU would split
+    batch_matmul.sm_count = lambda device: 132
     bf16, hq, hkv, d, block_size, hidden, inter = torch.bfloat16, 16, 8, 128, 16, 1024, 3072
     num_blocks, num_seqs = 64, 4
     seq_lens = torch.tensor([40, 300, 17, 129], dtype=torch.int32)
@@ -178,6 +180,9 @@ def engine_calls() -> dict[str, Callable[[], Any]]:
             torch.zeros(1, k, dtype=bf16), torch.zeros(n, k, dtype=bf16))
     calls["skinny_matmul_partials 1024x2048 (o)"] = lambda: skinny_matmul.skinny_matmul_partials(
         torch.zeros(1, 2048, dtype=bf16), torch.zeros(1024, 2048, dtype=bf16))
+    for n, k in ((4096, 1024), (1024, 2048)):  # qkv; o, whose partials the add-RMSNorm sums
+        calls[f"batch_matmul {n}x{k}"] = lambda n=n, k=k: batch_matmul.batch_matmul(
+            torch.zeros(batch_matmul.MAX_ROWS, k, dtype=bf16), torch.zeros(n, k, dtype=bf16), partial_sums=n == 1024)
     experts, top_k, moe_inter = 16, 4, 768  # Qwen3-30B-A3B's expert shapes (fewer experts)
     calls["fused_moe (Qwen3-30B-A3B experts)"] = lambda: fused_moe.fused_moe(
         torch.zeros(4, 2048, dtype=bf16), torch.zeros(experts, 2 * moe_inter, 2048, dtype=bf16),

@@ -138,40 +138,48 @@ def test_padded_steps_compute_what_unpadded_steps_do(model_dir: str, few_seqs: i
     assert graphs.padded_shape([1, 5]) is None and graphs.padded_shape([7, 2050]) is None
 
 
-def test_small_batch_linear_kernel_in_the_engine_matches_hf(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every linear layer routed to skinny_matmul, as choose_small_batch_kernels routes the
-    weights where it beats cuBLAS on a GPU: decode steps of up to ROUTED_ROWS sequences take
-    it (prompt steps have more rows and keep F.linear), and the tokens still match HF. K is
-    split wherever it can be, so the o and down projections hand their unreduced partial sums
-    to the add-RMSNorm after them."""
-    from minivllm.kernels import SplitKPartials, skinny_matmul
+@pytest.mark.parametrize("kernel", ["skinny_matmul", "batch_matmul"])
+def test_small_batch_linear_kernels_in_the_engine_match_hf(model_dir: str, monkeypatch: pytest.MonkeyPatch,
+                                                           kernel: str) -> None:
+    """Every linear layer routed to one kernel, as choose_small_batch_kernels routes the weights
+    where it serves them better than cuBLAS on a GPU: steps of up to ROUTED_ROWS tokens take
+    skinny_matmul, of MIN_ROWS to MAX_ROWS batch_matmul (decode steps, and here the prompt steps
+    too), bigger ones F.linear, and the tokens still match HF. K is split wherever it can be, so the o and down
+    projections hand their unreduced partial sums to the add-RMSNorm after them."""
+    from minivllm.kernels import SplitKPartials, batch_matmul, skinny_matmul
     from minivllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 
     rows_seen: list[int] = []
-    partials_seen: list[bool] = []
-    real, real_partials = skinny_matmul.skinny_matmul, skinny_matmul.skinny_matmul_partials
+    partials_seen: list[bool] = []  # per call: whether it left partial sums
 
-    def spy(x, *args, **kwargs):  # noqa: ANN001, ANN202
-        rows_seen.append(x.shape[0])
-        return real(x, *args, **kwargs)
+    def spy(real):  # noqa: ANN001, ANN202
+        def call(x, *args, **kwargs):  # noqa: ANN001, ANN202
+            rows_seen.append(x.shape[0])
+            out = real(x, *args, **kwargs)
+            partials_seen.append(isinstance(out, SplitKPartials))
+            return out
+        return call
 
-    def spy_partials(x, *args, **kwargs):  # noqa: ANN001, ANN202
-        rows_seen.append(x.shape[0])
-        out = real_partials(x, *args, **kwargs)
-        partials_seen.append(isinstance(out, SplitKPartials))
-        return out
-
-    monkeypatch.setattr(skinny_matmul, "skinny_matmul", spy)
-    monkeypatch.setattr(skinny_matmul, "skinny_matmul_partials", spy_partials)
-    real_config = skinny_matmul.skinny_matmul_config
-    monkeypatch.setattr(skinny_matmul, "skinny_matmul_config",  # the tiny model's K in two splits
-                        lambda *args: {**real_config(*args), "BLOCK_K": 16, "SPLIT_K": 2})
+    if kernel == "skinny_matmul":
+        module, rows_range, num_prompts = skinny_matmul, (1, skinny_matmul.ROUTED_ROWS), 3
+        for name in ("skinny_matmul", "skinny_matmul_partials"):
+            monkeypatch.setattr(skinny_matmul, name, spy(getattr(skinny_matmul, name)))
+        real_config = skinny_matmul.skinny_matmul_config
+        monkeypatch.setattr(skinny_matmul, "skinny_matmul_config",  # the tiny model's K in two splits
+                            lambda *args: {**real_config(*args), "BLOCK_K": 16, "SPLIT_K": 2})
+    else:
+        module, rows_range, num_prompts = batch_matmul, (batch_matmul.MIN_ROWS, batch_matmul.MAX_ROWS), 6
+        monkeypatch.setattr(batch_matmul, "batch_matmul", spy(batch_matmul.batch_matmul))
+        real_config = batch_matmul.batch_matmul_config
+        monkeypatch.setattr(batch_matmul, "batch_matmul_config",  # the tiny model's K in two splits
+                            lambda *args: {**real_config(*args), "BLOCK_K": 16, "SPLIT_K": 2 if args[-1] else 1})
     llm = LLM(model_dir, dtype="float32", max_model_len=64, block_size=8, kernels="triton")
-    for module in llm.llm_engine.model_runner.model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            module.use_skinny = True
+    for layer in llm.llm_engine.model_runner.model.modules():
+        if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+            setattr(layer, "use_skinny" if module is skinny_matmul else "use_batch_matmul", True)
     rng = random.Random(5)
-    prompts = [[rng.randrange(3, 700) for _ in range(n)] for n in (3, 11, 6)]
+    prompts = [[rng.randrange(3, 700) for _ in range(n)] for n in (3, 11, 6, 9, 4, 7)[:num_prompts]]
     assert greedy_outputs(llm, prompts, 5) == [hf_greedy(model_dir, p, 5)[0] for p in prompts]
-    assert rows_seen and max(rows_seen) <= skinny_matmul.ROUTED_ROWS
-    assert partials_seen and all(partials_seen)
+    assert rows_seen and all(rows_range[0] <= rows <= rows_range[1] for rows in rows_seen)
+    # Per layer, qkv and gate_up give their output, o and down (row-parallel) partial sums.
+    assert partials_seen.count(True) == partials_seen.count(False) > 0

@@ -14,23 +14,28 @@ from minivllm.kernels import SplitKPartials
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_skinny: bool,
-           partial_sums: bool = False) -> torch.Tensor | SplitKPartials:
-    """F.linear, or for a small decode batch the weight-streaming kernel where it is faster
-    (with partial_sums and no bias, its output may be left as SplitKPartials)."""
-    if use_skinny:
-        from minivllm.kernels import skinny_matmul  # imported only where Triton is used
-        if x.dim() == 2 and x.shape[0] <= skinny_matmul.ROUTED_ROWS:
+           use_batch_matmul: bool, partial_sums: bool = False) -> torch.Tensor | SplitKPartials:
+    """F.linear; or for a small decode batch the weight-streaming kernel, for a bigger one
+    (up to 64 rows) the batch kernel, where chosen for this weight (with partial_sums and no
+    bias, their output may be left as SplitKPartials)."""
+    if use_skinny or use_batch_matmul:
+        from minivllm.kernels import batch_matmul, skinny_matmul  # imported only where Triton is used
+        rows = x.shape[0] if x.dim() == 2 else 0
+        if use_skinny and 0 < rows <= skinny_matmul.ROUTED_ROWS:
             if partial_sums:
                 assert bias is None, "a bias has no place in partial sums"
                 return skinny_matmul.skinny_matmul_partials(x, weight)
             return skinny_matmul.skinny_matmul(x, weight, bias)
+        if use_batch_matmul and batch_matmul.MIN_ROWS <= rows <= batch_matmul.MAX_ROWS:
+            return batch_matmul.batch_matmul(x, weight, bias, partial_sums)
     return F.linear(x, weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
         super().__init__()
-        self.use_skinny = False  # choose_small_batch_kernels decides, once the weight is loaded
+        # choose_small_batch_kernels decides both, once the weight is loaded.
+        self.use_skinny = self.use_batch_matmul = False
         tp = tp_size()
         assert all(size % tp == 0 for size in output_sizes), "output size not divisible by tp size"
         # Local (per-rank) size of each packed part, in checkpoint order.
@@ -46,7 +51,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, offset, size).copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.use_skinny)
+        return linear(x, self.weight, self.bias, self.use_skinny, self.use_batch_matmul)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -65,7 +70,8 @@ class RowParallelLinear(nn.Module):
         (fused_ops.add_rms_norm), which can add up a split-K matmul's partial sums itself;
         small batches then return skinny_matmul's SplitKPartials (one rank, no bias)."""
         super().__init__()
-        self.use_skinny = False  # choose_small_batch_kernels decides, once the weight is loaded
+        # choose_small_batch_kernels decides both, once the weight is loaded.
+        self.use_skinny = self.use_batch_matmul = False
         self.partial_sums = partial_sums and tp_size() == 1 and not bias
         assert input_size % tp_size() == 0, "input size not divisible by tp size"
         self.local_input_size = input_size // tp_size()
@@ -78,7 +84,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
-        y = linear(x, self.weight, None, self.use_skinny, self.partial_sums)
+        y = linear(x, self.weight, None, self.use_skinny, self.use_batch_matmul, self.partial_sums)
         if isinstance(y, SplitKPartials):  # partial_sums: one rank, no bias
             return y
         # The bias is added once, after the reduction, not on every rank.
@@ -87,12 +93,15 @@ class RowParallelLinear(nn.Module):
 
 
 def choose_small_batch_kernels(model: nn.Module) -> None:
-    """Route each linear layer's small batches to skinny_matmul where, timed on its loaded
-    weight, it beats cuBLAS (a GPU only)."""
-    from minivllm.kernels import skinny_matmul  # needs a GPU
+    """Route each linear layer's small batches to skinny_matmul, and its decode batches of up
+    to 64 rows to batch_matmul, where each serves its loaded weight better than cuBLAS (a GPU
+    only: skinny_matmul.beats_cublas, batch_matmul.chosen)."""
+    from minivllm.kernels import batch_matmul, skinny_matmul  # needs a GPU
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             # The bias the layer's matmul adds: a row-parallel layer adds its own after the
             # all-reduce instead.
             bias = None if isinstance(module, RowParallelLinear) else module.bias
             module.use_skinny = skinny_matmul.beats_cublas(module.weight, bias)
+            partial_sums = isinstance(module, RowParallelLinear) and module.partial_sums
+            module.use_batch_matmul = batch_matmul.chosen(module.weight, bias, partial_sums)

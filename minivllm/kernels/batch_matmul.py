@@ -1,0 +1,194 @@
+"""y = x @ W^T (+ bias) for 5 to 64 rows: the linear layers of mid-sized decode steps (and short prompt steps).
+
+At these sizes a projection is a few microseconds of weight reads, and cuBLAS's kernels add a
+launch, the first weight tiles' trip from HBM, and too few output tiles to fill the GPU
+(N = 1,024: 8 of 128 features). Past 64 rows cuBLAS's pipelines win back what this saves. This kernel is launched with programmatic dependent
+launch (kernels/pdl.py), and each program first asks L2 to prefetch its slice of the weight (one
+cp.async.bulk.prefetch.L2 per weight row) before it waits for the kernel before it, whose output
+is x: the weight read overlaps that kernel's tail instead of following it.
+
+Split-K: a weight with few output tiles (N = 1,024) shares each tile's K among SPLIT_K programs.
+Their fp32 partial sums are left for the consumer to add up as it loads them (SplitKPartials,
+summed by fused_ops.add_rms_norm after the row-parallel o and down projections), as
+skinny_matmul_partials does; callers that need the output itself get one split.
+"""
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from minivllm.kernels import SplitKPartials, cdiv, dot_precision, sm_count
+from minivllm.kernels.pdl import pdl_enabled, pdl_options, wait_for_previous_kernel
+
+logger = logging.getLogger(__name__)
+
+# Rows this kernel serves: one tile of BLOCK_M rows; fewer go to skinny_matmul, more to cuBLAS.
+MIN_ROWS, MAX_ROWS = 5, 64
+MAX_SPLIT_K = 8
+# Columns of K a program asks L2 to prefetch per weight row before it waits (2 KB of bf16).
+PREFETCH_K = 1024
+
+
+@triton.jit
+def _prefetch_to_l2(ptrs, num_bytes):
+    """Ask L2 to fetch num_bytes from each of ptrs (16-byte aligned, a multiple of 16 bytes)."""
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                              [ptrs, num_bytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit(do_not_specialize=["num_rows"])  # one compilation for every batch size
+def _batch_matmul_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr,  # out: [M, N], or [SPLIT_K, M, N] fp32 partials
+    num_rows, N, K,
+    stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % (SPLIT_K * BLOCK_K) == 0: no masks along K
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ELEMENT_BYTES: tl.constexpr,
+    PREFETCH_K: tl.constexpr,  # columns of its weight rows a program prefetches (a multiple of 8)
+    DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py); prefetches its weights
+):
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    row_mask = rows < num_rows
+    col_mask = cols < N
+    # This split's K range in whole BLOCK_K tiles; the last split's may end in a ragged one.
+    tiles_per_split = ((K + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K
+    k_begin = tl.program_id(2) * tiles_per_split * BLOCK_K
+    k_end = tl.minimum(k_begin + tiles_per_split * BLOCK_K, K)
+    w_rows = w_ptr + cols.to(tl.int64) * stride_wn + k_begin  # int64: N * K may pass 2**31
+    if PDL:
+        # The weights do not depend on the kernel before: fetch them while it finishes. Columns
+        # past N fetch row N - 1 again; the launch checks that rows are whole 16-byte units.
+        # At most PREFETCH_K columns a row: enough to cover the wait, and no more than L2 keeps
+        # for a big weight.
+        prefetched = w_ptr + tl.minimum(cols, N - 1).to(tl.int64) * stride_wn + k_begin
+        num_bytes = tl.maximum(tl.minimum(k_end - k_begin, PREFETCH_K), 0) * ELEMENT_BYTES
+        _prefetch_to_l2(prefetched, num_bytes + tl.zeros([BLOCK_N], tl.int32))
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_begin + offs_k)[None, :]
+    w_ptrs = w_rows[:, None] + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    wait_for_previous_kernel(PDL)
+    for k in range(k_begin, k_end, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=col_mask[:, None], other=0.0)
+        else:
+            k_mask = (k + offs_k) < k_end
+            x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part_ptrs = out_ptr + (tl.program_id(2) * num_rows + rows[:, None]).to(tl.int64) * N + cols[None, :]
+        tl.store(part_ptrs, acc, mask=out_mask)
+
+
+@functools.cache
+def batch_matmul_config(dtype: torch.dtype, n: int, k: int, device: torch.device, partial_sums: bool) -> dict:
+    """One tile of 64 rows (every batch it serves) x 128 of K (64 in fp32), 4 warps (one
+    warpgroup: Hopper's wgmma), 4 stages; 64 output features a program, or with partial_sums 32
+    and SPLIT_K programs per output tile where the tiles alone would leave SMs idle (at most
+    MAX_SPLIT_K, a divisor of the K tiles, each split at least two). The same for every row count,
+    so one compilation serves them all. The returned dict is shared: read it, don't change it."""
+    block_m, block_k = MAX_ROWS, 128 if dtype.itemsize == 2 else 64
+    block_n = 32 if partial_sums else 64
+    tiles, k_tiles = cdiv(n, block_n), cdiv(k, block_k)
+    split_k = max(1, min(MAX_SPLIT_K, sm_count(device) // tiles, k_tiles // 2)) if partial_sums else 1
+    while k_tiles % split_k:  # as many K tiles in every split: no empty or ragged split
+        split_k -= 1
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=4)
+
+
+def batch_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 partial_sums: bool = False, config: dict | None = None) -> torch.Tensor | SplitKPartials:
+    """`F.linear(x, weight, bias)` for x [M, K] with MIN_ROWS <= M <= MAX_ROWS: a new [M, N]
+    tensor; with partial_sums (no bias) possibly SplitKPartials, to be consumed before the next
+    call. weight [N, K] and x share a float dtype, both with a contiguous last dimension;
+    fp32 accumulation. `config` overrides batch_matmul_config()."""
+    num_rows, k = x.shape
+    n = weight.shape[0]
+    assert num_rows <= MAX_ROWS, f"batch_matmul serves at most {MAX_ROWS} rows, got {num_rows}"
+    assert weight.shape == (n, k), f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}"
+    assert x.dtype == weight.dtype and x.dtype in (torch.float32, torch.float16, torch.bfloat16), (
+        f"x and weight must share a float dtype, got {x.dtype} and {weight.dtype}")
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1, "x and weight need a contiguous last dimension"
+    assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), "bias must be a contiguous [N]"
+    assert not (partial_sums and bias is not None), "a bias has no place in partial sums"
+    cfg = batch_matmul_config(x.dtype, n, k, x.device, partial_sums) if config is None else config
+    split_k = cfg["SPLIT_K"]
+    out = (torch.empty(num_rows, n, dtype=x.dtype, device=x.device) if split_k == 1
+           else torch.empty(split_k, num_rows, n, dtype=torch.float32, device=x.device))
+    if num_rows == 0 or n == 0:
+        return out
+    options = pdl_options(x.device)
+    assert not options["PDL"] or prefetchable(weight), "batch_matmul under PDL needs 16-byte weight rows"
+    grid = (cdiv(n, cfg["BLOCK_N"]), cdiv(num_rows, cfg["BLOCK_M"]), split_k)
+    _batch_matmul_kernel[grid](
+        x, weight, bias if bias is not None else weight, out,
+        num_rows, n, k,
+        x.stride(0), weight.stride(0), n,
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % (split_k * cfg["BLOCK_K"]) == 0,
+        SPLIT_K=split_k,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"],
+        ELEMENT_BYTES=x.element_size(),
+        PREFETCH_K=PREFETCH_K,
+        DOT_PRECISION=dot_precision(x.dtype),
+        **options,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return SplitKPartials(out, num_rows, x.dtype) if split_k > 1 else out
+
+
+def prefetchable(weight: torch.Tensor) -> bool:
+    """Whether the L2 prefetch can take this weight's rows: 16-byte aligned, whole 16-byte units."""
+    return (weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
+            and weight.shape[1] * weight.element_size() % 16 == 0)
+
+
+_chosen: dict[tuple, bool] = {}
+
+
+def chosen(weight: torch.Tensor, bias: torch.Tensor | None = None, partial_sums: bool = False) -> bool:
+    """Whether batches of MIN_ROWS to MAX_ROWS rows should multiply by this weight (and add this
+    bias; leaving partial sums if asked) here instead of in cuBLAS; decided once per shape and
+    dtype. Only where kernels launch with PDL (kernels/pdl.py): the kernel's gain is the weight
+    read that PDL lets it start before the kernel ahead of it ends, which timing it alone would
+    not show. Deciding runs the kernel (compiling it now, not inside a step: a second's stall)
+    at the fewest and most rows; a kernel that disagrees with cuBLAS on the weight is never
+    chosen (an error is logged: a kernel bug)."""
+    key = (tuple(weight.shape), weight.dtype, weight.device, bias is not None, partial_sums)
+    if key not in _chosen:
+        _chosen[key] = False
+        if pdl_enabled(weight.device) and weight.dtype.itemsize == 2 and prefetchable(weight):
+            error = 0.0
+            for num_rows in (MIN_ROWS, MAX_ROWS):
+                x = torch.randn(num_rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+                out = batch_matmul(x, weight, bias, partial_sums)
+                ours = (out.parts.sum(0) if isinstance(out, SplitKPartials) else out).double()
+                want = F.linear(x, weight, bias).double()
+                error = max(error, float((ours - want).norm() / want.norm().clamp_min(1e-30)))
+            _chosen[key] = error <= 1e-2
+            if not _chosen[key]:
+                logger.error("batch_matmul disagrees with F.linear on a %s %s weight (relative error %.2e): "
+                             "a kernel bug; using cuBLAS for it.", tuple(weight.shape), weight.dtype, error)
+    return _chosen[key]

@@ -1,0 +1,132 @@
+"""The decode-batch linear kernel (batch_matmul) against F.linear in float64.
+
+Without CUDA the kernel runs in Triton's interpreter (small shapes, fp32/fp16, no PDL and so
+no weight prefetch); the `gpu`-marked test uses Qwen3-0.6B's projection shapes in bf16.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minivllm.kernels import SplitKPartials, fused_ops
+from minivllm.kernels import batch_matmul as batch_module
+from minivllm.kernels.batch_matmul import MAX_ROWS, MIN_ROWS, batch_matmul, batch_matmul_config
+from minivllm.layers.linear import linear
+from tests.conftest import DEVICE, requires_cuda
+
+# fp32 accumulation in another order than float64; 16-bit outputs: one rounding of the result.
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def operands(num_rows: int, n: int, k: int, dtype: torch.dtype, bias: bool):
+    gen = torch.Generator().manual_seed(num_rows * 7 + n + k)
+    x = torch.randn(num_rows, k, generator=gen).to(DEVICE, dtype)
+    weight = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DEVICE, dtype)
+    b = torch.randn(n, generator=gen).to(DEVICE, dtype) if bias else None
+    return x, weight, b, F.linear(x.double(), weight.double(), None if b is None else b.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_rows,n,k,bias,config", [
+    (MIN_ROWS, 128, 128, False, None),  # one program
+    (MAX_ROWS, 200, 100, True, None),  # ragged N and K, bias
+    (33, 64, 96, False, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, SPLIT_K=1, num_warps=4, num_stages=2)),
+])
+def test_batch_matmul_matches_linear(dtype, num_rows, n, k, bias, config):
+    x, weight, b, want = operands(num_rows, n, k, dtype, bias)
+    out = batch_matmul(x, weight, b, config=config)
+    assert out.shape == (num_rows, n) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_partial_sums_add_up_in_the_add_rms_norm(dtype):
+    """Split-K partials (the last split ending in a ragged K tile) summed by the add-RMSNorm
+    that follows the row-parallel projections: as if the product had been stored first."""
+    num_rows, n, k = 20, 64, 120  # 3 splits of 48, 48 and 24 columns
+    x, weight, _, want = operands(num_rows, n, k, dtype, False)
+    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, SPLIT_K=3, num_warps=4, num_stages=2)
+    out = batch_matmul(x, weight, partial_sums=True, config=config)
+    assert isinstance(out, SplitKPartials) and out.parts.shape == (3, num_rows, n)
+    torch.testing.assert_close(out.parts.double().sum(0), want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+    residual, norm_weight = torch.randn(num_rows, n).to(DEVICE, dtype), torch.rand(n).to(DEVICE, dtype)
+    normed, summed = fused_ops.add_rms_norm(out, residual.clone(), norm_weight, 1e-6)
+    want_normed, want_summed = fused_ops.add_rms_norm(out.parts.sum(0).to(dtype), residual.clone(), norm_weight, 1e-6)
+    torch.testing.assert_close(summed, want_summed, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(normed, want_normed, atol=2 * TOL[dtype], rtol=2 * TOL[dtype])
+
+
+def test_config_splits_k_evenly_to_fill_the_gpu():
+    """Partial sums with too few output tiles split K (into equal whole tiles); other outputs never."""
+    cpu = torch.device("cpu")  # sm_count 4
+    assert batch_matmul_config(torch.float16, 128, 2048, cpu, partial_sums=False)["SPLIT_K"] == 1
+    assert batch_matmul_config(torch.float16, 32, 2048, cpu, partial_sums=True)["SPLIT_K"] == 4
+    assert batch_matmul_config(torch.float16, 128, 2048, cpu, partial_sums=True)["SPLIT_K"] == 1  # 4 tiles
+    for k in (256, 384, 2048, 3072, 200):
+        split = batch_matmul_config(torch.float16, 32, k, cpu, partial_sums=True)["SPLIT_K"]
+        tiles = -(-k // 128)
+        assert 1 <= split <= min(4, max(1, tiles // 2)) and tiles % split == 0
+
+
+def test_linear_layers_route_decode_batches_of_chosen_weights(monkeypatch):
+    rows_seen: list[int] = []
+
+    def stand_in(x, w, b, partial_sums):
+        rows_seen.append(x.shape[0])
+        return torch.full((x.shape[0], w.shape[0]), 1234.0)
+
+    monkeypatch.setattr(batch_module, "batch_matmul", stand_in)
+    weight = torch.randn(8, 16)
+    for rows, chosen in [(MIN_ROWS - 1, True), (MIN_ROWS, True), (MAX_ROWS, True), (MAX_ROWS + 1, True),
+                         (64, False)]:  # chosen=False: cuBLAS serves this weight
+        x = torch.randn(rows, 16)
+        got = linear(x, weight, None, use_skinny=False, use_batch_matmul=chosen)
+        if chosen and MIN_ROWS <= rows <= MAX_ROWS:
+            assert torch.equal(got, torch.full((rows, 8), 1234.0))
+        else:
+            torch.testing.assert_close(got, x @ weight.T)
+    assert rows_seen == [MIN_ROWS, MAX_ROWS]
+
+
+@pytest.mark.parametrize("partial_sums", [False, True])
+def test_choosing_checks_the_kernel_at_the_fewest_and_most_rows(monkeypatch, partial_sums):
+    """Only with PDL (its gain is the weight prefetch that PDL overlaps with the kernel before);
+    deciding runs the kernel (compiling it before any step) and checks it against F.linear."""
+    weight = torch.randn(256, 256, dtype=torch.float16, device=DEVICE) / 16
+    assert not batch_module.chosen(weight, partial_sums=partial_sums)  # the interpreter: no PDL
+    monkeypatch.setattr(batch_module, "_chosen", {})
+    monkeypatch.setattr(batch_module, "pdl_enabled", lambda device: True)  # the launches still run without
+    rows_launched = []
+    real = batch_module.batch_matmul
+
+    def spy(x, w, b=None, partial=False):
+        rows_launched.append(x.shape[0])
+        return real(x, w, b, partial)
+
+    monkeypatch.setattr(batch_module, "batch_matmul", spy)
+    assert batch_module.chosen(weight, partial_sums=partial_sums)
+    assert rows_launched == [MIN_ROWS, MAX_ROWS]
+
+
+def test_a_kernel_that_disagrees_is_not_chosen(monkeypatch, caplog):
+    monkeypatch.setattr(batch_module, "_chosen", {})
+    monkeypatch.setattr(batch_module, "pdl_enabled", lambda device: True)
+    monkeypatch.setattr(batch_module, "batch_matmul", lambda x, w, b=None, partial=False: torch.zeros(
+        x.shape[0], w.shape[0], dtype=x.dtype, device=x.device))
+    assert not batch_module.chosen(torch.randn(64, 64, dtype=torch.float16, device=DEVICE))
+    assert "disagrees with F.linear" in caplog.text
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_rows", [5, 33, 64])
+@pytest.mark.parametrize("n,k,partial_sums", [(4096, 1024, False), (1024, 2048, True), (6144, 1024, False),
+                                               (1024, 3072, True)])
+def test_gpu_qwen3_projections(num_rows, n, k, partial_sums):
+    """Qwen3-0.6B's qkv, o, gate_up and down at decode batch sizes, bf16, with PDL and the
+    weight prefetch as the engine launches them."""
+    x, weight, _, want = operands(num_rows, n, k, torch.bfloat16, False)
+    out = batch_matmul(x, weight, partial_sums=partial_sums)
+    got = out.parts.sum(0) if isinstance(out, SplitKPartials) else out
+    torch.testing.assert_close(got.double(), want, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+    assert batch_module.chosen(weight, partial_sums=partial_sums)
