@@ -5,7 +5,8 @@ buffer, on the host and on the device alike (the same offsets), so a step's inpu
 the device in one non-blocking copy: from the start of the buffer to the end of the last
 row a step uses, unused tails of earlier fields included (each copy is a stream operation
 of a couple of microseconds ahead of the step's kernels, so one, not one per field). The fields
-are laid out small first and block_tables last, so a decode step's copy stays short. The
+are laid out by size, smallest first (block_tables, usually the largest, last), so a decode
+step's copy stays short. The
 device tensors never move, so CUDA graphs captured on slices of them read each step's
 inputs. There are two host sets, used in turn: the host prepares step N+1 while step N's
 copy may still be queued behind step N-1.

@@ -139,7 +139,7 @@ class ModelRunner:
                 attn = self.model.attention_layers()[0]
                 self.backend.warm_up_shared_prefix((attn.num_heads, attn.head_dim), self.dtype, attn.k_cache,
                                                    attn.v_cache, config.max_num_seqs)
-            if tp_rank() == 0:  # rank 0 samples, with the Triton kernel
+            if tp_rank() == 0:  # rank 0 samples, with the Triton kernels
                 from minivllm.kernels import sampling  # needs a GPU
                 sampling.warm_up(self.vocab_size, self.dtype, self.device)
 

@@ -68,7 +68,8 @@ class RowParallelLinear(nn.Module):
                  partial_sums: bool = False) -> None:
         """partial_sums: the layer's output goes straight into a Triton add-RMSNorm
         (fused_ops.add_rms_norm), which can add up a split-K matmul's partial sums itself;
-        small batches then return skinny_matmul's SplitKPartials (one rank, no bias)."""
+        small and mid-sized batches then return skinny_matmul's or batch_matmul's SplitKPartials
+        (one rank, no bias)."""
         super().__init__()
         # choose_small_batch_kernels decides both, once the weight is loaded.
         self.use_skinny = self.use_batch_matmul = False

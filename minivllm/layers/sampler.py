@@ -38,7 +38,7 @@ _MAX_TOP_K_WITHOUT_FULL_SORT = 1024
 
 _NEG_INF = float("-inf")
 
-# Per-step random draws: a Philox key per row for the Triton kernel, 32-bit words per token
+# Per-step random draws: a Philox key per row for the Triton kernels, 32-bit words per token
 # for the torch formula (both exclusive upper bounds of Tensor.random_).
 _SEED_HIGH = 2**63 - 1
 _BITS_HIGH = 2**32
@@ -227,8 +227,9 @@ class SamplerOutput:
 
 class Sampler(torch.nn.Module):
     def __init__(self, use_triton: bool = False) -> None:
-        """use_triton: the Gumbel-max draw as one Triton kernel (for CUDA logits; tests run it
-        on CPU under Triton's interpreter), else the same formula in torch."""
+        """use_triton: the Gumbel-max draw in Triton's two kernels (kernels/sampling.py; for
+        CUDA logits, tests run them on CPU under Triton's interpreter), else the same formula
+        in torch."""
         super().__init__()
         self.use_triton = use_triton
 
