@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import triton
 import triton.language as tl
 
 # Kernels run as Python under Triton's interpreter (the CPU tests): no inline PTX, no libdevice.
@@ -59,6 +60,38 @@ class SplitKPartials:
     parts: torch.Tensor  # [SPLIT_K, workspace rows (>= num_rows), N] fp32, N contiguous
     num_rows: int
     dtype: torch.dtype
+
+
+@triton.jit
+def split_k_range(K, split, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Split `split` of SPLIT_K's range of K, [k_begin, k_end), in whole BLOCK_K tiles; the last
+    split's may end in a ragged one."""
+    tiles_per_split = ((K + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K
+    k_begin = split * tiles_per_split * BLOCK_K
+    return k_begin, tl.minimum(k_begin + tiles_per_split * BLOCK_K, K)
+
+
+@triton.jit
+def matmul_k_range(x_ptrs, w_ptrs, row_mask, col_mask, k_begin, k_end, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    """x[rows, k_begin:k_end] @ w[cols, k_begin:k_end]^T, accumulated in fp32: x_ptrs
+    [BLOCK_M, BLOCK_K] and w_ptrs [BLOCK_N, BLOCK_K] point at column k_begin of their rows.
+    EVEN_K: the range is whole BLOCK_K tiles, no masks along K."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(k_begin, k_end, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=col_mask[:, None], other=0.0)
+        else:
+            k_mask = (k + offs_k) < k_end
+            x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
 
 
 def patch_triton_interpreter() -> None:

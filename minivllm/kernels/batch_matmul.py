@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from minivllm.kernels import SplitKPartials, cdiv, dot_precision, sm_count
+from minivllm.kernels import SplitKPartials, cdiv, dot_precision, matmul_k_range, sm_count, split_k_range
 from minivllm.kernels.pdl import pdl_enabled, pdl_options, wait_for_previous_kernel
 
 logger = logging.getLogger(__name__)
@@ -61,10 +61,7 @@ def _batch_matmul_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     row_mask = rows < num_rows
     col_mask = cols < N
-    # This split's K range in whole BLOCK_K tiles; the last split's may end in a ragged one.
-    tiles_per_split = ((K + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K
-    k_begin = tl.program_id(2) * tiles_per_split * BLOCK_K
-    k_end = tl.minimum(k_begin + tiles_per_split * BLOCK_K, K)
+    k_begin, k_end = split_k_range(K, tl.program_id(2), SPLIT_K, BLOCK_K)
     w_rows = w_ptr + cols.to(tl.int64) * stride_wn + k_begin  # int64: N * K may pass 2**31
     if PDL:
         # The weights do not depend on the kernel before: fetch them while it finishes. Columns
@@ -76,19 +73,9 @@ def _batch_matmul_kernel(
         _prefetch_to_l2(prefetched, num_bytes + tl.zeros([BLOCK_N], tl.int32))
     x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_begin + offs_k)[None, :]
     w_ptrs = w_rows[:, None] + offs_k[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     wait_for_previous_kernel(PDL)
-    for k in range(k_begin, k_end, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=col_mask[:, None], other=0.0)
-        else:
-            k_mask = (k + offs_k) < k_end
-            x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc = matmul_k_range(x_ptrs, w_ptrs, row_mask, col_mask, k_begin, k_end, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                         DOT_PRECISION)
     out_mask = row_mask[:, None] & col_mask[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
