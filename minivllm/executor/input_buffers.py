@@ -1,15 +1,14 @@
 """Persistent step-input buffers: pinned host staging arrays and their device twins.
 
 Input preparation writes numpy views of the host arrays. Every field lives in one byte
-buffer, on the host and on the device alike (the same offsets), so a step's inputs go to
-the device in one non-blocking copy: from the start of the buffer to the end of the last
-row a step uses, unused tails of earlier fields included (each copy is a stream operation
-of a couple of microseconds ahead of the step's kernels, so one, not one per field). The fields
+buffer, on the host and on the device alike (the same offsets), so a step's inputs go to the
+device in one non-blocking copy: from the start of the buffer to the end of the last row a
+step uses, unused tails of earlier fields included (each copy is a stream operation of a
+couple of microseconds ahead of the step's kernels, so one, not one per field). The fields
 are laid out by size, smallest first (block_tables, usually the largest, last), so a decode
-step's copy stays short. The
-device tensors never move, so CUDA graphs captured on slices of them read each step's
-inputs. There are two host sets, used in turn: the host prepares step N+1 while step N's
-copy may still be queued behind step N-1.
+step's copy stays short. The device tensors never move, so CUDA graphs captured on slices of
+them read each step's inputs. There are two host sets, used in turn: the host prepares step
+N+1 while step N's copy may still be queued behind step N-1.
 """
 
 import dataclasses

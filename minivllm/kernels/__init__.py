@@ -1,12 +1,16 @@
 """Triton kernels (GPU; on CPU they run under Triton's interpreter, TRITON_INTERPRET=1)."""
 
 import functools
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+logger = logging.getLogger(__name__)
 
 # Kernels run as Python under Triton's interpreter (the CPU tests): no inline PTX, no libdevice.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -60,6 +64,20 @@ class SplitKPartials:
     parts: torch.Tensor  # [SPLIT_K, workspace rows (>= num_rows), N] fp32, N contiguous
     num_rows: int
     dtype: torch.dtype
+
+
+def agrees_with_linear(kernel_name: str, out: "torch.Tensor | SplitKPartials", x: torch.Tensor,
+                       weight: torch.Tensor, bias: torch.Tensor | None, tolerance: float) -> bool:
+    """Whether a matmul kernel's output for x is F.linear(x, weight, bias) within `tolerance`
+    (relative error, in float64). If not, logs an error: a kernel bug, and the caller keeps
+    cuBLAS for this weight."""
+    ours = (out.parts.sum(0) if isinstance(out, SplitKPartials) else out).double()
+    want = F.linear(x, weight, bias).double()
+    error = float((ours - want).norm() / want.norm().clamp_min(1e-30))
+    if error > tolerance:
+        logger.error("%s disagrees with F.linear on a %s %s weight (relative error %.2e): a kernel bug; "
+                     "using cuBLAS for it.", kernel_name, tuple(weight.shape), weight.dtype, error)
+    return error <= tolerance
 
 
 @triton.jit

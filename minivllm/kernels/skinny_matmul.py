@@ -22,7 +22,6 @@ streaming before them.
 """
 
 import functools
-import logging
 
 import torch
 import torch.nn.functional as F
@@ -30,10 +29,9 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from minivllm.kernels import SplitKPartials, cdiv, dot_precision, matmul_k_range, sm_count, split_count, split_k_range
+from minivllm.kernels import (SplitKPartials, agrees_with_linear, cdiv, dot_precision, matmul_k_range, sm_count,
+                              split_count, split_k_range)
 from minivllm.kernels.pdl import pdl_enabled, pdl_options, wait_for_previous_kernel
-
-logger = logging.getLogger(__name__)
 
 # Largest batch this kernel serves (tl.dot's smallest M is 16).
 MAX_ROWS = 16
@@ -226,11 +224,8 @@ def beats_cublas(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool
     key = (tuple(weight.shape), weight.dtype, weight.device, bias is not None)
     if key not in _beats_cublas:
         x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        ours, want = skinny_matmul(x, weight, bias).double(), F.linear(x, weight, bias).double()
-        error = float((ours - want).norm() / want.norm().clamp_min(1e-30))
-        if error > (1e-5 if weight.dtype == torch.float32 else 1e-2):
-            logger.error("skinny_matmul disagrees with F.linear on a %s %s weight (relative error %.2e): "
-                         "a kernel bug; using cuBLAS for it.", tuple(weight.shape), weight.dtype, error)
+        tolerance = 1e-5 if weight.dtype == torch.float32 else 1e-2
+        if not agrees_with_linear("skinny_matmul", skinny_matmul(x, weight, bias), x, weight, bias, tolerance):
             _beats_cublas[key] = False
         elif pdl_enabled(weight.device):
             _beats_cublas[key] = True
