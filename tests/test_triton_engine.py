@@ -144,8 +144,8 @@ def test_small_batch_linear_kernels_in_the_engine_match_hf(model_dir: str, monke
     """Every linear layer routed to one kernel, as choose_small_batch_kernels routes the weights
     where it serves them better than cuBLAS on a GPU: steps of up to ROUTED_ROWS tokens take
     skinny_matmul, of MIN_ROWS to MAX_ROWS batch_matmul (decode steps, and here the prompt steps
-    too), bigger ones F.linear, and the tokens still match HF. K is split wherever it can be, so the o and down
-    projections hand their unreduced partial sums to the add-RMSNorm after them."""
+    too), bigger ones F.linear, and the tokens still match HF. K is split wherever it can be, so the
+    o and down projections hand their unreduced partial sums to the add-RMSNorm after them."""
     from minivllm.kernels import SplitKPartials, batch_matmul, skinny_matmul
     from minivllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 
