@@ -380,11 +380,14 @@ def record_step_kinds(llm: Any) -> Callable[[], dict[str, dict[str, float]]]:
     step launched at its start, and (on CUDA) the device time of each step's queued work,
     between events recorded around its launch: where an interval exceeds its step's
     device time, the device waited for the host (an eager step's device time includes
-    its waits for the host's launches). The returned function gives the totals and puts
-    the runner's own launch back."""
+    its waits for the host's launches). The returned function gives the totals, and the
+    seconds outside every interval ("outside steps": from this call to the first launch, and
+    from the last launch to the returned function's call: the request intake before the first
+    step, the last step and the outputs after it), and puts the runner's own launch back."""
     runner = llm.llm_engine.model_runner
     launch = runner.launch
     launches: list[tuple[float, str, Any, Any]] = []
+    recording_since = time.perf_counter()
 
     def timed_launch(batch: Any) -> Any:
         start = time.perf_counter()
@@ -403,14 +406,19 @@ def record_step_kinds(llm: Any) -> Callable[[], dict[str, dict[str, float]]]:
         del runner.launch  # the instance attribute set above: the class's method again
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        ended = time.perf_counter()
         sums: dict[str, dict[str, float]] = defaultdict(lambda: {"steps": 0, "seconds": 0.0, "gpu_seconds": 0.0})
         for (start, kind, begin, end), (next_start, *_) in pairwise(launches):
             sums[kind]["steps"] += 1
             sums[kind]["seconds"] += next_start - start
             if begin is not None:
                 sums[kind]["gpu_seconds"] += begin.elapsed_time(end) / 1e3
-        return {kind: {"steps": v["steps"], "seconds": round(v["seconds"], 3),
-                       "ms_per_step": round(1e3 * v["seconds"] / v["steps"], 3),
-                       "gpu_ms_per_step": round(1e3 * v["gpu_seconds"] / v["steps"], 3)}
-                for kind, v in sorted(sums.items())}
+        breakdown = {kind: {"steps": v["steps"], "seconds": round(v["seconds"], 3),
+                            "ms_per_step": round(1e3 * v["seconds"] / v["steps"], 3),
+                            "gpu_ms_per_step": round(1e3 * v["gpu_seconds"] / v["steps"], 3)}
+                     for kind, v in sorted(sums.items())}
+        if launches:
+            breakdown["outside steps"] = {"before_first_launch_s": round(launches[0][0] - recording_since, 4),
+                                          "after_last_launch_s": round(ended - launches[-1][0], 4)}
+        return breakdown
     return totals
