@@ -66,6 +66,21 @@ class SplitKPartials:
     dtype: torch.dtype
 
 
+def check_matmul_operands(kernel_name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          max_rows: int) -> None:
+    """Assert what skinny_matmul and batch_matmul need of F.linear's operands: x [M <= max_rows, K]
+    and weight [N, K] of one float dtype, each with a contiguous last dimension; bias None or a
+    contiguous [N]."""
+    num_rows, k = x.shape
+    n = weight.shape[0]
+    assert num_rows <= max_rows, f"{kernel_name} serves at most {max_rows} rows, got {num_rows}"
+    assert weight.shape == (n, k), f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}"
+    assert x.dtype == weight.dtype and x.dtype in (torch.float32, torch.float16, torch.bfloat16), (
+        f"x and weight must share a float dtype, got {x.dtype} and {weight.dtype}")
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1, "x and weight need a contiguous last dimension"
+    assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), "bias must be a contiguous [N]"
+
+
 def agrees_with_linear(kernel_name: str, out: "torch.Tensor | SplitKPartials", x: torch.Tensor,
                        weight: torch.Tensor, bias: torch.Tensor | None, tolerance: float) -> bool:
     """Whether a matmul kernel's output for x is F.linear(x, weight, bias) within `tolerance`

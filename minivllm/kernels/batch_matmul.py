@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels import (SplitKPartials, agrees_with_linear, cdiv, dot_precision, matmul_k_range, sm_count,
-                              split_k_range)
+from minivllm.kernels import (SplitKPartials, agrees_with_linear, cdiv, check_matmul_operands, dot_precision,
+                              matmul_k_range, sm_count, split_k_range)
 from minivllm.kernels.pdl import pdl_enabled, pdl_options, wait_for_previous_kernel
 
 # Rows this kernel serves: one tile of BLOCK_M rows; fewer go to skinny_matmul, more to cuBLAS.
@@ -108,12 +108,7 @@ def batch_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     fp32 accumulation. `config` overrides batch_matmul_config()."""
     num_rows, k = x.shape
     n = weight.shape[0]
-    assert num_rows <= MAX_ROWS, f"batch_matmul serves at most {MAX_ROWS} rows, got {num_rows}"
-    assert weight.shape == (n, k), f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}"
-    assert x.dtype == weight.dtype and x.dtype in (torch.float32, torch.float16, torch.bfloat16), (
-        f"x and weight must share a float dtype, got {x.dtype} and {weight.dtype}")
-    assert x.stride(-1) == 1 and weight.stride(-1) == 1, "x and weight need a contiguous last dimension"
-    assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), "bias must be a contiguous [N]"
+    check_matmul_operands("batch_matmul", x, weight, bias, MAX_ROWS)
     assert not (partial_sums and bias is not None), "a bias has no place in partial sums"
     cfg = batch_matmul_config(x.dtype, n, k, x.device, partial_sums) if config is None else config
     split_k = cfg["SPLIT_K"]

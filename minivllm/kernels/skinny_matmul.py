@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from minivllm.kernels import (SplitKPartials, agrees_with_linear, cdiv, dot_precision, matmul_k_range, sm_count,
-                              split_count, split_k_range)
+from minivllm.kernels import (SplitKPartials, agrees_with_linear, cdiv, check_matmul_operands, dot_precision,
+                              matmul_k_range, sm_count, split_count, split_k_range)
 from minivllm.kernels.pdl import pdl_enabled, pdl_options, wait_for_previous_kernel
 
 # Largest batch this kernel serves (tl.dot's smallest M is 16).
@@ -170,12 +170,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
             reduce: bool) -> torch.Tensor | SplitKPartials:
     num_rows, k = x.shape
     n = weight.shape[0]
-    assert num_rows <= MAX_ROWS, f"skinny_matmul serves at most {MAX_ROWS} rows, got {num_rows}"
-    assert weight.shape == (n, k), f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}"
-    assert x.dtype == weight.dtype and x.dtype in (torch.float32, torch.float16, torch.bfloat16), (
-        f"x and weight must share a float dtype, got {x.dtype} and {weight.dtype}")
-    assert x.stride(-1) == 1 and weight.stride(-1) == 1, "x and weight need a contiguous last dimension"
-    assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), "bias must be a contiguous [N]"
+    check_matmul_operands("skinny_matmul", x, weight, bias, MAX_ROWS)
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     if num_rows == 0 or n == 0:
         return out
