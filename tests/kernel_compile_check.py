@@ -178,6 +178,8 @@ def engine_calls() -> dict[str, Callable[[], Any]]:
     for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)):  # qkv, o, gate_up, down
         calls[f"skinny_matmul {n}x{k}"] = lambda n=n, k=k: skinny_matmul.skinny_matmul(
             torch.zeros(1, k, dtype=bf16), torch.zeros(n, k, dtype=bf16))
+    calls["skinny_matmul_silu_and_mul 6144x1024 (gate_up)"] = lambda: skinny_matmul.skinny_matmul_silu_and_mul(
+        torch.zeros(1, hidden, dtype=bf16), torch.zeros(2 * inter, hidden, dtype=bf16))
     calls["skinny_matmul_partials 1024x2048 (o)"] = lambda: skinny_matmul.skinny_matmul_partials(
         torch.zeros(1, 2048, dtype=bf16), torch.zeros(1024, 2048, dtype=bf16))
     for n, k in ((4096, 1024), (1024, 2048)):  # qkv; o, whose partials the add-RMSNorm sums

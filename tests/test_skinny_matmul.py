@@ -93,6 +93,35 @@ def test_partials_are_the_split_k_sums_left_to_the_consumer(dtype, num_rows, n, 
     assert isinstance(single, torch.Tensor) and torch.equal(single, skinny_matmul(x, weight, config=one_split))
 
 
+def silu_and_mul_float64(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) for a packed [gate; up] weight, in float64."""
+    gate, up = F.linear(x.double(), weight.double()).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_rows,inter,k,split_k", [
+    (1, 8, 256, 1),  # one program: 8 features' gate and up rows
+    (3, 20, 300, 1),  # ragged I (masked features) and K
+    (MAX_ROWS, 48, 128, 2),  # the largest batch; K split, the last program applies the activation
+    (2, 24, 320, 4),  # 5 tiles in 4 splits: a ragged last one
+])
+def test_silu_and_mul_epilogue_gives_the_separate_kernels_output(dtype, num_rows, inter, k, split_k):
+    # One launch for the packed gate_up projection and SiluAndMul gives bit for bit what the
+    # projection and fused_ops.silu_and_mul give one after the other (both agree with float64).
+    from minivllm.kernels import fused_ops
+
+    config = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=split_k, num_warps=4, num_stages=2)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(num_rows, k, generator=gen).to(DEVICE, dtype)
+    weight = (torch.randn(2 * inter, k, generator=gen) / k ** 0.5).to(DEVICE, dtype)
+    for _ in range(2):  # a second launch reuses the split-K counters the first left at zero
+        out = skinny_module.skinny_matmul_silu_and_mul(x, weight, config=config)
+        assert out.shape == (num_rows, inter) and out.dtype == dtype
+        assert torch.equal(out, fused_ops.silu_and_mul(skinny_matmul(x, weight, config=config)))
+    torch.testing.assert_close(out.double(), silu_and_mul_float64(x, weight), atol=TOL[dtype], rtol=TOL[dtype])
+
+
 def test_strided_rows_and_empty_batch():
     check(4, 32, 256, torch.float32, bias=False, row_stride=320)  # x a view with row stride 320
     empty = skinny_matmul(torch.empty(0, 64, device=DEVICE), torch.ones(8, 64, device=DEVICE))
@@ -125,6 +154,25 @@ def test_linear_layers_route_only_small_batches_of_chosen_weights(monkeypatch):
     assert rows_seen == [1, ROUTED_ROWS]
 
 
+def test_gate_up_layer_takes_the_fused_kernel_only_for_routed_batches(monkeypatch):
+    # Small batches of a chosen weight: one launch (the stand-in answers what no projection
+    # would); the rest: the projection, then the activation (written here in float64).
+    from minivllm.layers.linear import GateUpParallelLinear
+
+    monkeypatch.setattr(skinny_module, "skinny_matmul_silu_and_mul",
+                        lambda x, w: torch.full((x.shape[0], w.shape[0] // 2), 1234.0))
+    layer = GateUpParallelLinear(16, 8, use_triton=False)
+    layer.weight.data.copy_(torch.randn(16, 16, generator=torch.Generator().manual_seed(0)))
+    for rows, use_skinny in [(1, True), (ROUTED_ROWS, True), (ROUTED_ROWS + 1, True), (1, False)]:
+        layer.use_skinny = use_skinny
+        x = torch.randn(rows, 16)
+        got = layer(x)
+        if use_skinny and rows <= ROUTED_ROWS:
+            assert torch.equal(got, torch.full((rows, 8), 1234.0)), (rows, use_skinny)
+        else:
+            torch.testing.assert_close(got.double(), silu_and_mul_float64(x, layer.weight), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -133,6 +181,22 @@ def test_linear_layers_route_only_small_batches_of_chosen_weights(monkeypatch):
 @pytest.mark.parametrize("num_rows", [1, 7, 16])
 def test_gpu_projection_shapes(dtype, n, k, num_rows):
     check(num_rows, n, k, dtype, bias=n == 4096)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n,k", [(6144, 1024), (24576, 4096)])  # Qwen3-0.6B's and -8B's gate_up
+@pytest.mark.parametrize("num_rows", [1, 4, 16])
+def test_gpu_silu_and_mul_gate_up_shapes(dtype, n, k, num_rows):
+    from minivllm.kernels import fused_ops
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(num_rows, k, generator=gen).to(DEVICE, dtype)
+    weight = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DEVICE, dtype)
+    out = skinny_module.skinny_matmul_silu_and_mul(x, weight)
+    assert torch.equal(out, fused_ops.silu_and_mul(skinny_matmul(x, weight)))
+    torch.testing.assert_close(out.double(), silu_and_mul_float64(x, weight), atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @pytest.mark.gpu
@@ -177,6 +241,17 @@ def test_start_up_choice_refuses_a_kernel_that_disagrees(monkeypatch, caplog):
     monkeypatch.setattr(skinny_module, "_beats_cublas", {})
     assert skinny_module.beats_cublas(torch.randn(24, 40, device=DEVICE), None) is False
     assert "disagrees" in caplog.text
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_start_up_choice_checks_the_silu_and_mul_epilogue(monkeypatch, caplog, wrong):
+    # For a packed [gate; up] weight the choice checks the fused kernel the layer will call.
+    monkeypatch.setattr(skinny_module, "_beats_cublas", {})
+    monkeypatch.setattr(skinny_module, "pdl_enabled", lambda device: True)
+    if wrong:  # the projection without the activation
+        monkeypatch.setattr(skinny_module, "skinny_matmul_silu_and_mul", lambda x, w: F.linear(x, w)[:, :w.shape[0] // 2])
+    assert skinny_module.beats_cublas(torch.randn(24, 40, device=DEVICE), None, fuse_silu_and_mul=True) is not wrong
+    assert ("disagrees" in caplog.text) is wrong
 
 
 @pytest.mark.gpu

@@ -162,7 +162,7 @@ def test_small_batch_linear_kernels_in_the_engine_match_hf(model_dir: str, monke
 
     if kernel == "skinny_matmul":
         module, rows_range, num_prompts = skinny_matmul, (1, skinny_matmul.ROUTED_ROWS), 3
-        for name in ("skinny_matmul", "skinny_matmul_partials"):
+        for name in ("skinny_matmul", "skinny_matmul_partials", "skinny_matmul_silu_and_mul"):
             monkeypatch.setattr(skinny_matmul, name, spy(getattr(skinny_matmul, name)))
         real_config = skinny_matmul.skinny_matmul_config
         monkeypatch.setattr(skinny_matmul, "skinny_matmul_config",  # the tiny model's K in two splits
@@ -181,5 +181,6 @@ def test_small_batch_linear_kernels_in_the_engine_match_hf(model_dir: str, monke
     prompts = [[rng.randrange(3, 700) for _ in range(n)] for n in (3, 11, 6, 9, 4, 7)[:num_prompts]]
     assert greedy_outputs(llm, prompts, 5) == [hf_greedy(model_dir, p, 5)[0] for p in prompts]
     assert rows_seen and all(rows_range[0] <= rows <= rows_range[1] for rows in rows_seen)
-    # Per layer, qkv and gate_up give their output, o and down (row-parallel) partial sums.
+    # Per layer, qkv and gate_up give their output (gate_up's through SiLU-and-mul), o and down
+    # (row-parallel) partial sums.
     assert partials_seen.count(True) == partials_seen.count(False) > 0

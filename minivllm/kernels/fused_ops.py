@@ -375,6 +375,20 @@ def qk_norm_rope_store(
 # SiluAndMul
 # ----------------------------------------------------------------------------------------
 @triton.jit
+def silu_times_up(gate, up, dtype: tl.constexpr):
+    """torch's silu(gate) * up for fp32 tensors holding values of the model dtype: silu as
+    x / (1 + exp(-x)) in float32, rounded to the model dtype before `* up`, the product rounded
+    again. Compiled: libdevice's expf (CUDA's, as torch uses) over tl.exp's ex2.approx; the
+    interpreter has no libdevice."""
+    if INTERPRETED:
+        exp_neg = tl.exp(-gate)
+    else:
+        exp_neg = libdevice.exp(-gate)
+    silu = tl.math.div_rn(gate, 1.0 + exp_neg).to(dtype).to(tl.float32)
+    return (silu * up).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_xn, inter,
     BLOCK: tl.constexpr,
@@ -388,15 +402,7 @@ def _silu_and_mul_kernel(
     wait_for_previous_kernel(PDL)
     gate = tl.load(x_ptr + row * stride_xn + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_xn + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    # torch's silu: x / (1 + exp(-x)) in float32, rounded to the model dtype before `* up`.
-    # Compiled: libdevice's expf (CUDA's, as torch uses) over tl.exp's ex2.approx; the
-    # interpreter has no libdevice.
-    if INTERPRETED:
-        exp_neg = tl.exp(-gate)
-    else:
-        exp_neg = libdevice.exp(-gate)
-    silu = tl.math.div_rn(gate, 1.0 + exp_neg).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * inter + cols, (silu * up).to(dtype), mask=mask)
+    tl.store(out_ptr + row * inter + cols, silu_times_up(gate, up, dtype), mask=mask)
 
 
 def _silu_launch_config(inter: int) -> tuple[int, int]:

@@ -14,6 +14,10 @@ strip's counter, and the strip's last program adds the partials up in split orde
 result does not depend on which program finished first), adds the bias, stores the output
 and zeroes the counter for the next launch: one launch, no reduction kernel.
 
+skinny_matmul_silu_and_mul multiplies by a packed [gate; up] weight and applies SiluAndMul in
+the epilogue: each program streams BLOCK_N / 2 gate rows and the same features' up rows, so its
+tile holds both halves of its features. The MLP's activation then costs no launch of its own.
+
 skinny_matmul_partials leaves the partials unreduced for a consumer that adds them up as it
 loads its input (fused_ops.add_rms_norm, after the row-parallel o and down projections): the
 matmul then ends with its stores. At batch 1 the last program's count, reload and store are
@@ -31,6 +35,7 @@ import triton.testing
 
 from minivllm.kernels import (SplitKPartials, agrees_with_linear, cdiv, check_matmul_operands, dot_precision,
                               matmul_k_range, sm_count, split_count, split_k_range)
+from minivllm.kernels.fused_ops import silu_and_mul, silu_times_up
 from minivllm.kernels.pdl import pdl_enabled, pdl_options, wait_for_previous_kernel
 
 # Largest batch this kernel serves (tl.dot's smallest M is 16).
@@ -50,6 +55,7 @@ def _skinny_matmul_kernel(
     num_rows, N, K,
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr,
+    SILU_AND_MUL: tl.constexpr,  # w is [gate; up] (2N rows): out = silu(x @ gate^T) * (x @ up^T), [M, N]
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks along K
     SPLIT_K: tl.constexpr,
     REDUCE: tl.constexpr,  # SPLIT_K > 1: the strip's last program sums the partials (else the consumer does)
@@ -61,26 +67,32 @@ def _skinny_matmul_kernel(
 ):
     strip = tl.program_id(0)
     split = tl.program_id(1)
-    cols = strip * BLOCK_N + tl.arange(0, BLOCK_N)  # output features of this program
     rows = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     row_mask = rows < num_rows
-    col_mask = cols < N
+    if SILU_AND_MUL:  # the tile's columns: BLOCK_N // 2 features' gate rows, then the same features' up rows
+        tile_cols = tl.arange(0, BLOCK_N)
+        features = strip * (BLOCK_N // 2) + tile_cols % (BLOCK_N // 2)
+        w_rows = features + (tile_cols >= BLOCK_N // 2) * N
+        col_mask = features < N
+    else:
+        w_rows = strip * BLOCK_N + tl.arange(0, BLOCK_N)  # output features of this program
+        col_mask = w_rows < N
     k_begin, k_end = split_k_range(K, split, SPLIT_K, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_begin + offs_k)[None, :]
-    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + (k_begin + offs_k)[None, :]  # int64: N * K may pass 2**31
+    w_ptrs = w_ptr + w_rows[:, None].to(tl.int64) * stride_wn + (k_begin + offs_k)[None, :]  # int64: N * K may pass 2**31
     wait_for_previous_kernel(PDL)
     acc = matmul_k_range(x_ptrs, w_ptrs, row_mask, col_mask, k_begin, k_end, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
                          DOT_PRECISION)
-    out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    out_mask = row_mask[:, None] & col_mask[None, :]
+    # Where the tile's columns go in the output (its partials: the weight's rows).
+    part_ptrs = part_ptr + rows[:, None] * (2 * N if SILU_AND_MUL else N) + w_rows[None, :]
+    part_mask = row_mask[:, None] & col_mask[None, :]
     if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        _store_output(acc, bias_ptr, out_ptr, strip, rows, row_mask, N, stride_om, HAS_BIAS, SILU_AND_MUL, BLOCK_N)
     else:
-        part_ptrs = part_ptr + rows[:, None] * N + cols[None, :]  # split s's: s * BLOCK_M * N further
-        tl.store(part_ptrs + split * BLOCK_M * N, acc, mask=out_mask)
+        # split s's partials: s * BLOCK_M * (the weight's rows) further
+        part_stride = BLOCK_M * (2 * N if SILU_AND_MUL else N)
+        tl.store(part_ptrs + split * part_stride, acc, mask=part_mask)
         if REDUCE:
             # Every thread's partials are stored before the count (one thread's atomic) says so:
             # the barrier orders them before it, acq_rel publishes them and shows the last program
@@ -89,11 +101,30 @@ def _skinny_matmul_kernel(
             if tl.atomic_add(count_ptr + strip, 1, sem="acq_rel") == SPLIT_K - 1:
                 total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 for s in range(SPLIT_K):  # in split order: the same sum whoever came last
-                    total += tl.load(part_ptrs + s * BLOCK_M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-                tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+                    total += tl.load(part_ptrs + s * part_stride, mask=part_mask, other=0.0, cache_modifier=".cg")
+                _store_output(total, bias_ptr, out_ptr, strip, rows, row_mask, N, stride_om, HAS_BIAS, SILU_AND_MUL,
+                              BLOCK_N)
                 tl.store(count_ptr + strip, 0)  # ready for the next launch
+
+
+@triton.jit
+def _store_output(acc, bias_ptr, out_ptr, strip, rows, row_mask, N, stride_om, HAS_BIAS: tl.constexpr,
+                  SILU_AND_MUL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store a program's [BLOCK_M, BLOCK_N] fp32 sums (+ bias) in the output's dtype; with
+    SILU_AND_MUL, its gate and up columns rounded to that dtype (as a separate gate_up output
+    would be) and combined into silu(gate) * up for the program's BLOCK_N // 2 features."""
+    dtype = out_ptr.dtype.element_ty
+    if SILU_AND_MUL:
+        cols = strip * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        halves = tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), [acc.shape[0], 2, BLOCK_N // 2]), [0, 2, 1])
+        gate, up = tl.split(halves)
+        out = silu_times_up(gate, up, dtype)
+    else:
+        cols = strip * BLOCK_N + tl.arange(0, BLOCK_N)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        out = acc.to(dtype)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out, mask=row_mask[:, None] & (cols < N)[None, :])
 
 
 # Split-K launch heuristic: enough programs for this many per SM, but no split shorter than
@@ -157,6 +188,15 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
+def skinny_matmul_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """`fused_ops.silu_and_mul(skinny_matmul(x, weight))` for a packed weight [2I, K] = [gate; up]
+    (the MLP's gate_up projection, no bias) in one launch: a new [M, I] tensor, bit for bit the
+    same. `config` as skinny_matmul's, for the packed weight."""
+    out = _launch(x, weight, None, config, reduce=True, silu_and_mul=True)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
 def skinny_matmul_partials(x: torch.Tensor, weight: torch.Tensor,
                            config: dict | None = None) -> torch.Tensor | SplitKPartials:
     """skinny_matmul(x, weight), but a split-K launch leaves its partial sums for the
@@ -167,23 +207,27 @@ def skinny_matmul_partials(x: torch.Tensor, weight: torch.Tensor,
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: dict | None,
-            reduce: bool) -> torch.Tensor | SplitKPartials:
+            reduce: bool, silu_and_mul: bool = False) -> torch.Tensor | SplitKPartials:
     num_rows, k = x.shape
     n = weight.shape[0]
+    assert not silu_and_mul or (n % 2 == 0 and bias is None and reduce), "silu_and_mul: a [gate; up] weight, no bias"
     check_matmul_operands("skinny_matmul", x, weight, bias, MAX_ROWS)
-    out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    out_features = n // 2 if silu_and_mul else n
+    out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
     if num_rows == 0 or n == 0:
         return out
     cfg = skinny_matmul_config(x.dtype, n, k, x.device) if config is None else config
-    strips, split_k = cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"]
+    strips = cdiv(out_features, cfg["BLOCK_N"] // 2 if silu_and_mul else cfg["BLOCK_N"])
+    split_k = cfg["SPLIT_K"]
     part = count = out  # placeholders when SPLIT_K == 1 (never touched)
     if split_k > 1:
         part, count = _split_k_workspace(x.device, n, split_k, strips)
     _skinny_matmul_kernel[(strips, split_k)](
         x, weight, bias if bias is not None else weight, out, part, count,
-        num_rows, n, k,
+        num_rows, out_features, k,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
+        SILU_AND_MUL=silu_and_mul,
         EVEN_K=k % cfg["BLOCK_K"] == 0,
         SPLIT_K=split_k,
         REDUCE=reduce,
@@ -203,9 +247,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
 _beats_cublas: dict[tuple, bool] = {}
 
 
-def beats_cublas(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+def beats_cublas(weight: torch.Tensor, bias: torch.Tensor | None = None, fuse_silu_and_mul: bool = False) -> bool:
     """Whether skinny_matmul should multiply one row by this weight (and add this bias)
-    instead of cuBLAS on this GPU; decided once per shape and dtype.
+    instead of cuBLAS on this GPU; decided once per shape and dtype. fuse_silu_and_mul: the
+    weight is a packed [gate; up], served by skinny_matmul_silu_and_mul (checked and timed as
+    such, against cuBLAS and the SiluAndMul kernel).
 
     Where our kernels launch with programmatic dependent launch: always. In a step's chain
     of PDL kernels each launch overlaps the kernel before it, which a cuBLAS kernel's cannot
@@ -216,16 +262,22 @@ def beats_cublas(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool
     Either way the kernel variant is compiled here, so that no step has to. A kernel that
     disagrees with cuBLAS on the weight is never chosen: cuBLAS it is, and an error is
     logged (a kernel bug; tests/test_skinny_matmul.py's GPU tests should show it)."""
-    key = (tuple(weight.shape), weight.dtype, weight.device, bias is not None)
+    key = (tuple(weight.shape), weight.dtype, weight.device, bias is not None, fuse_silu_and_mul)
     if key not in _beats_cublas:
         x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
         tolerance = 1e-5 if weight.dtype == torch.float32 else 1e-2
-        if not agrees_with_linear("skinny_matmul", skinny_matmul(x, weight, bias), x, weight, bias, tolerance):
+        def ours() -> torch.Tensor:
+            return skinny_matmul_silu_and_mul(x, weight) if fuse_silu_and_mul else skinny_matmul(x, weight, bias)
+
+        def cublas() -> torch.Tensor:  # and the engine's SiluAndMul kernel after it
+            y = F.linear(x, weight, bias)
+            return silu_and_mul(y) if fuse_silu_and_mul else y
+
+        if not agrees_with_linear("skinny_matmul", ours(), x, weight, bias, tolerance, fuse_silu_and_mul):
             _beats_cublas[key] = False
         elif pdl_enabled(weight.device):
             _beats_cublas[key] = True
         else:
-            ours, cublas = (triton.testing.do_bench_cudagraph(lambda fn=fn: fn(x, weight, bias), rep=5)
-                            for fn in (skinny_matmul, F.linear))
-            _beats_cublas[key] = ours < 0.95 * cublas
+            ours_ms, cublas_ms = (triton.testing.do_bench_cudagraph(fn, rep=5) for fn in (ours, cublas))
+            _beats_cublas[key] = ours_ms < 0.95 * cublas_ms
     return _beats_cublas[key]

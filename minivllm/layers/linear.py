@@ -11,6 +11,15 @@ from torch import nn
 
 from minivllm.executor.distributed import all_reduce, tp_rank, tp_size
 from minivllm.kernels import SplitKPartials
+from minivllm.layers.activation import SiluAndMul
+
+
+def routed_to_skinny(x: torch.Tensor, use_skinny: bool) -> bool:
+    """Whether x's batch goes to skinny_matmul: a small one, for a weight it was chosen for."""
+    if not use_skinny:
+        return False
+    from minivllm.kernels import skinny_matmul  # imported only where Triton is used
+    return x.dim() == 2 and 0 < x.shape[0] <= skinny_matmul.ROUTED_ROWS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_skinny: bool,
@@ -21,7 +30,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use
     if use_skinny or use_batch_matmul:
         from minivllm.kernels import batch_matmul, skinny_matmul  # imported only where Triton is used
         rows = x.shape[0] if x.dim() == 2 else 0
-        if use_skinny and 0 < rows <= skinny_matmul.ROUTED_ROWS:
+        if routed_to_skinny(x, use_skinny):
             if partial_sums:
                 assert bias is None, "a bias has no place in partial sums"
                 return skinny_matmul.skinny_matmul_partials(x, weight)
@@ -61,6 +70,22 @@ class QKVParallelLinear(ColumnParallelLinear):
                  bias: bool = False) -> None:
         super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim,
                                        num_kv_heads * head_dim], bias)
+
+
+class GateUpParallelLinear(ColumnParallelLinear):
+    """The MLP's packed gate and up projections (checkpoint parts 0, 1) and the SiluAndMul after
+    them: returns silu(x @ W_gate^T) * (x @ W_up^T). Batches routed to skinny_matmul take one
+    launch for both and the activation (skinny_matmul_silu_and_mul), bit for bit the same."""
+
+    def __init__(self, input_size: int, intermediate_size: int, use_triton: bool) -> None:
+        super().__init__(input_size, [intermediate_size, intermediate_size])
+        self.act = SiluAndMul(use_triton)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if routed_to_skinny(x, self.use_skinny):
+            from minivllm.kernels import skinny_matmul
+            return skinny_matmul.skinny_matmul_silu_and_mul(x, self.weight)
+        return self.act(super().forward(x))
 
 
 class RowParallelLinear(nn.Module):
@@ -103,6 +128,7 @@ def choose_small_batch_kernels(model: nn.Module) -> None:
             # The bias the layer's matmul adds: a row-parallel layer adds its own after the
             # all-reduce instead.
             bias = None if isinstance(module, RowParallelLinear) else module.bias
-            module.use_skinny = skinny_matmul.beats_cublas(module.weight, bias)
+            fuse_silu_and_mul = isinstance(module, GateUpParallelLinear)
+            module.use_skinny = skinny_matmul.beats_cublas(module.weight, bias, fuse_silu_and_mul)
             partial_sums = isinstance(module, RowParallelLinear) and module.partial_sums
             module.use_batch_matmul = batch_matmul.chosen(module.weight, bias, partial_sums)

@@ -15,10 +15,9 @@ from transformers import PretrainedConfig
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.executor.distributed import tp_size
 from minivllm.kernels import SplitKPartials
-from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.attention import Attention
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from minivllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from minivllm.layers.linear import GateUpParallelLinear, QKVParallelLinear, RowParallelLinear
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.rotary import RotaryEmbedding
 
@@ -86,12 +85,11 @@ class LlamaMLP(nn.Module):
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu').")
         inter = config.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter])
-        self.act = SiluAndMul(use_triton)
+        self.gate_up_proj = GateUpParallelLinear(config.hidden_size, inter, use_triton)  # and the SiLU-and-mul
         self.down_proj = RowParallelLinear(inter, config.hidden_size, partial_sums=use_triton)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
