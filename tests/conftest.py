@@ -94,6 +94,12 @@ def cascade_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+def silu_and_mul_float64(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) for a packed [gate; up] weight (the MLP's gate_up), in float64."""
+    gate, up = torch.nn.functional.linear(x.double(), weight.double()).chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                         block_tables: torch.Tensor, scale: float) -> torch.Tensor:

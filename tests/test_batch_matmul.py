@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from minivllm.kernels import SplitKPartials, fused_ops
 from minivllm.kernels import batch_matmul as batch_module
 from minivllm.kernels.batch_matmul import MAX_ROWS, MIN_ROWS, batch_matmul, batch_matmul_config
-from minivllm.layers.linear import linear
-from tests.conftest import DEVICE, requires_cuda
+from minivllm.layers.linear import GateUpParallelLinear, linear
+from tests.conftest import DEVICE, requires_cuda, silu_and_mul_float64
 
 # fp32 accumulation in another order than float64; 16-bit outputs: one rounding of the result.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -54,6 +54,40 @@ def test_partial_sums_add_up_in_the_add_rms_norm(dtype):
     want_normed, want_summed = fused_ops.add_rms_norm(out.parts.sum(0).to(dtype), residual.clone(), norm_weight, 1e-6)
     torch.testing.assert_close(summed, want_summed, atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(normed, want_normed, atol=2 * TOL[dtype], rtol=2 * TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_rows,inter,k,config", [
+    (MIN_ROWS, 64, 128, None),  # one program: 32 features' gate and up rows
+    (MAX_ROWS, 100, 100, None),  # ragged I (masked features) and K
+    (33, 40, 96, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, SPLIT_K=1, num_warps=4, num_stages=2)),  # row tiles
+])
+def test_silu_and_mul_epilogue_gives_the_separate_kernels_output(dtype, num_rows, inter, k, config):
+    """One launch for the packed gate_up projection and SiluAndMul gives bit for bit what the
+    projection and fused_ops.silu_and_mul give one after the other (both agree with float64)."""
+    x, weight, _, _ = operands(num_rows, 2 * inter, k, dtype, False)
+    out = batch_module.batch_matmul_silu_and_mul(x, weight, config=config)
+    assert out.shape == (num_rows, inter) and out.dtype == dtype
+    assert torch.equal(out, fused_ops.silu_and_mul(batch_matmul(x, weight, config=config)))
+    torch.testing.assert_close(out.double(), silu_and_mul_float64(x, weight), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_gate_up_layer_takes_the_fused_kernel_for_decode_batches(monkeypatch):
+    # Mid-sized batches of a chosen weight: one launch (the stand-in answers what no projection
+    # would); the rest: the projection, then the activation (written here in float64).
+    monkeypatch.setattr(batch_module, "batch_matmul_silu_and_mul",
+                        lambda x, w: torch.full((x.shape[0], w.shape[0] // 2), 1234.0))
+    layer = GateUpParallelLinear(16, 8, use_triton=False)
+    layer.weight.data.copy_(torch.randn(16, 16, generator=torch.Generator().manual_seed(0)))
+    for rows, chosen in [(MIN_ROWS - 1, True), (MIN_ROWS, True), (MAX_ROWS, True), (MAX_ROWS + 1, True),
+                         (MIN_ROWS, False)]:
+        layer.use_batch_matmul = chosen
+        x = torch.randn(rows, 16)
+        got = layer(x)
+        if chosen and MIN_ROWS <= rows <= MAX_ROWS:
+            assert torch.equal(got, torch.full((rows, 8), 1234.0)), (rows, chosen)
+        else:
+            torch.testing.assert_close(got.double(), silu_and_mul_float64(x, layer.weight), atol=1e-5, rtol=1e-5)
 
 
 def test_config_splits_k_evenly_to_fill_the_gpu():
@@ -108,6 +142,18 @@ def test_choosing_checks_the_kernel_at_the_fewest_and_most_rows(monkeypatch, par
     assert rows_launched == [MIN_ROWS, MAX_ROWS]
 
 
+@pytest.mark.parametrize("wrong", [False, True])
+def test_choosing_checks_the_silu_and_mul_epilogue(monkeypatch, caplog, wrong):
+    # For a packed [gate; up] weight the choice checks the fused kernel the layer will call.
+    monkeypatch.setattr(batch_module, "_chosen", {})
+    monkeypatch.setattr(batch_module, "pdl_enabled", lambda device: True)
+    if wrong:  # the projection without the activation
+        monkeypatch.setattr(batch_module, "batch_matmul_silu_and_mul", lambda x, w: F.linear(x, w)[:, :w.shape[0] // 2])
+    weight = torch.randn(128, 128, dtype=torch.float16, device=DEVICE) / 12
+    assert batch_module.chosen(weight, fuse_silu_and_mul=True) is not wrong
+    assert ("disagrees" in caplog.text) is wrong
+
+
 def test_a_kernel_that_disagrees_is_not_chosen(monkeypatch, caplog):
     monkeypatch.setattr(batch_module, "_chosen", {})
     monkeypatch.setattr(batch_module, "pdl_enabled", lambda device: True)
@@ -130,3 +176,9 @@ def test_gpu_qwen3_projections(num_rows, n, k, partial_sums):
     got = out.parts.sum(0) if isinstance(out, SplitKPartials) else out
     torch.testing.assert_close(got.double(), want, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
     assert batch_module.chosen(weight, partial_sums=partial_sums)
+    if n == 6144:  # gate_up, ending with SiLU-and-mul: bit for bit the separate kernels' output
+        fused = batch_module.batch_matmul_silu_and_mul(x, weight)
+        assert torch.equal(fused, fused_ops.silu_and_mul(out))
+        torch.testing.assert_close(fused.double(), silu_and_mul_float64(x, weight), atol=TOL[torch.bfloat16],
+                                   rtol=TOL[torch.bfloat16])
+        assert batch_module.chosen(weight, fuse_silu_and_mul=True)

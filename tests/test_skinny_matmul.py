@@ -12,7 +12,7 @@ from minivllm.kernels import SplitKPartials
 from minivllm.kernels import skinny_matmul as skinny_module
 from minivllm.kernels.skinny_matmul import MAX_ROWS, ROUTED_ROWS, skinny_matmul
 from minivllm.layers.linear import linear
-from tests.conftest import DEVICE, requires_cuda
+from tests.conftest import DEVICE, requires_cuda, silu_and_mul_float64
 
 # fp32 accumulation in another order than float64; 16-bit outputs: one rounding of the result.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -91,12 +91,6 @@ def test_partials_are_the_split_k_sums_left_to_the_consumer(dtype, num_rows, n, 
     one_split = {**config, "SPLIT_K": 1}
     single = skinny_module.skinny_matmul_partials(x, weight, config=one_split)
     assert isinstance(single, torch.Tensor) and torch.equal(single, skinny_matmul(x, weight, config=one_split))
-
-
-def silu_and_mul_float64(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """silu(x @ gate^T) * (x @ up^T) for a packed [gate; up] weight, in float64."""
-    gate, up = F.linear(x.double(), weight.double()).chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -169,7 +169,8 @@ def test_small_batch_linear_kernels_in_the_engine_match_hf(model_dir: str, monke
                             lambda *args: {**real_config(*args), "BLOCK_K": 16, "SPLIT_K": 2})
     else:
         module, rows_range, num_prompts = batch_matmul, (batch_matmul.MIN_ROWS, batch_matmul.MAX_ROWS), 6
-        monkeypatch.setattr(batch_matmul, "batch_matmul", spy(batch_matmul.batch_matmul))
+        for name in ("batch_matmul", "batch_matmul_silu_and_mul"):
+            monkeypatch.setattr(batch_matmul, name, spy(getattr(batch_matmul, name)))
         real_config = batch_matmul.batch_matmul_config
         monkeypatch.setattr(batch_matmul, "batch_matmul_config",  # the tiny model's K in two splits
                             lambda *args: {**real_config(*args), "BLOCK_K": 16, "SPLIT_K": 2 if args[-1] else 1})

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,55 @@ def matmul_k_range(x_ptrs, w_ptrs, row_mask, col_mask, k_begin, k_end, BLOCK_M: 
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     return acc
+
+
+@triton.jit
+def silu_times_up(gate, up, dtype: tl.constexpr):
+    """torch's silu(gate) * up for fp32 tensors holding values of the model dtype: silu as
+    x / (1 + exp(-x)) in float32, rounded to the model dtype before `* up`, the product rounded
+    again. Compiled: libdevice's expf (CUDA's, as torch uses) over tl.exp's ex2.approx; the
+    interpreter has no libdevice."""
+    if INTERPRETED:
+        exp_neg = tl.exp(-gate)
+    else:
+        exp_neg = libdevice.exp(-gate)
+    silu = tl.math.div_rn(gate, 1.0 + exp_neg).to(dtype).to(tl.float32)
+    return (silu * up).to(dtype)
+
+
+@triton.jit
+def weight_rows(strip, N, BLOCK_N: tl.constexpr, SILU_AND_MUL: tl.constexpr):
+    """The weight rows of output tile `strip`'s BLOCK_N columns, and which of them exist. With
+    SILU_AND_MUL the weight is a packed [gate; up] of 2N rows for N output features: the tile
+    takes BLOCK_N // 2 features' gate rows, then the same features' up rows."""
+    if SILU_AND_MUL:
+        tile_cols = tl.arange(0, BLOCK_N)
+        features = strip * (BLOCK_N // 2) + tile_cols % (BLOCK_N // 2)
+        return features + (tile_cols >= BLOCK_N // 2) * N, features < N
+    else:
+        cols = strip * BLOCK_N + tl.arange(0, BLOCK_N)
+        return cols, cols < N
+
+
+@triton.jit
+def store_output(acc, bias_ptr, out_ptr, strip, rows, row_mask, N, stride_om, HAS_BIAS: tl.constexpr,
+                  SILU_AND_MUL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store the [rows, BLOCK_N] fp32 sums (+ bias) of output tile `strip` in the output's
+    dtype; with SILU_AND_MUL (columns as weight_rows gives them), its gate and up columns
+    rounded to that dtype (as a separate gate_up output would be) and combined into
+    silu(gate) * up for the tile's BLOCK_N // 2 features."""
+    dtype = out_ptr.dtype.element_ty
+    if SILU_AND_MUL:
+        cols = strip * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        halves = tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), [acc.shape[0], 2, BLOCK_N // 2]), [0, 2, 1])
+        gate, up = tl.split(halves)
+        out = silu_times_up(gate, up, dtype)
+    else:
+        cols = strip * BLOCK_N + tl.arange(0, BLOCK_N)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        out = acc.to(dtype)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out, mask=row_mask[:, None] & (cols < N)[None, :])
 
 
 def patch_triton_interpreter() -> None:

@@ -12,6 +12,10 @@ Split-K: a weight with few output tiles (N = 1,024) shares each tile's K among S
 Their fp32 partial sums are left for the consumer to add up as it loads them (SplitKPartials,
 summed by fused_ops.add_rms_norm after the row-parallel o and down projections), as
 skinny_matmul_partials does; callers that need the output itself get one split.
+
+batch_matmul_silu_and_mul ends the MLP's packed gate_up projection with SiLU-and-mul, as
+skinny_matmul_silu_and_mul does for smaller batches (kernels/__init__.py's weight_rows and
+store_output: each tile holds its features' gate and up columns).
 """
 
 import functools
@@ -21,7 +25,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels import (SplitKPartials, agrees_with_linear, cdiv, check_matmul_operands, dot_precision,
-                              matmul_k_range, sm_count, split_k_range)
+                              matmul_k_range, sm_count, split_k_range, store_output, weight_rows)
 from minivllm.kernels.pdl import pdl_enabled, pdl_options, wait_for_previous_kernel
 
 # Rows this kernel serves: one tile of BLOCK_M rows; fewer go to skinny_matmul, more to cuBLAS.
@@ -44,6 +48,7 @@ def _batch_matmul_kernel(
     num_rows, N, K,
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr,
+    SILU_AND_MUL: tl.constexpr,  # w is [gate; up] (2N rows): out = silu(x @ gate^T) * (x @ up^T), [M, N]
     EVEN_K: tl.constexpr,  # K % (SPLIT_K * BLOCK_K) == 0: no masks along K
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -55,18 +60,18 @@ def _batch_matmul_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py); prefetches its weights
 ):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     row_mask = rows < num_rows
-    col_mask = cols < N
+    w_row_ids, col_mask = weight_rows(tl.program_id(0), N, BLOCK_N, SILU_AND_MUL)
     k_begin, k_end = split_k_range(K, tl.program_id(2), SPLIT_K, BLOCK_K)
-    w_rows = w_ptr + cols.to(tl.int64) * stride_wn + k_begin  # int64: N * K may pass 2**31
+    w_rows = w_ptr + w_row_ids.to(tl.int64) * stride_wn + k_begin  # int64: N * K may pass 2**31
     if PDL:
         # The weights do not depend on the kernel before: fetch them while it finishes. Columns
-        # past N fetch row N - 1 again; the launch checks that rows are whole 16-byte units.
-        # At most PREFETCH_K columns a row: enough to cover the wait, and no more than L2 keeps
-        # for a big weight.
-        prefetched = w_ptr + tl.minimum(cols, N - 1).to(tl.int64) * stride_wn + k_begin
+        # past the weight's last row fetch that row again; the launch checks that rows are whole
+        # 16-byte units. At most PREFETCH_K columns a row: enough to cover the wait, and no more
+        # than L2 keeps for a big weight.
+        last_row = (2 * N if SILU_AND_MUL else N) - 1
+        prefetched = w_ptr + tl.minimum(w_row_ids, last_row).to(tl.int64) * stride_wn + k_begin
         num_bytes = tl.maximum(tl.minimum(k_end - k_begin, PREFETCH_K), 0) * ELEMENT_BYTES
         _prefetch_to_l2(prefetched, num_bytes + tl.zeros([BLOCK_N], tl.int32))
     x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_begin + offs_k)[None, :]
@@ -74,14 +79,12 @@ def _batch_matmul_kernel(
     wait_for_previous_kernel(PDL)
     acc = matmul_k_range(x_ptrs, w_ptrs, row_mask, col_mask, k_begin, k_end, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
                          DOT_PRECISION)
-    out_mask = row_mask[:, None] & col_mask[None, :]
     if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        part_ptrs = out_ptr + (tl.program_id(2) * num_rows + rows[:, None]).to(tl.int64) * N + cols[None, :]
-        tl.store(part_ptrs, acc, mask=out_mask)
+        store_output(acc, bias_ptr, out_ptr, tl.program_id(0), rows, row_mask, N, stride_om, HAS_BIAS, SILU_AND_MUL,
+                     BLOCK_N)
+    else:  # partial sums (never with SILU_AND_MUL: the launch checks)
+        part_ptrs = out_ptr + (tl.program_id(2) * num_rows + rows[:, None]).to(tl.int64) * N + w_row_ids[None, :]
+        tl.store(part_ptrs, acc, mask=row_mask[:, None] & col_mask[None, :])
 
 
 @functools.cache
@@ -106,24 +109,43 @@ def batch_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     tensor; with partial_sums (no bias) possibly SplitKPartials, to be consumed before the next
     call. weight [N, K] and x share a float dtype, both with a contiguous last dimension;
     fp32 accumulation. `config` overrides batch_matmul_config()."""
+    return _launch(x, weight, bias, partial_sums, config, silu_and_mul=False)
+
+
+def batch_matmul_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """`fused_ops.silu_and_mul(batch_matmul(x, weight))` for a packed weight [2I, K] = [gate; up]
+    (the MLP's gate_up projection, no bias) in one launch: a new [M, I] tensor, bit for bit the
+    same. `config` as batch_matmul's, for the packed weight."""
+    out = _launch(x, weight, None, False, config, silu_and_mul=True)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, partial_sums: bool,
+            config: dict | None, silu_and_mul: bool) -> torch.Tensor | SplitKPartials:
     num_rows, k = x.shape
     n = weight.shape[0]
     check_matmul_operands("batch_matmul", x, weight, bias, MAX_ROWS)
     assert not (partial_sums and bias is not None), "a bias has no place in partial sums"
     cfg = batch_matmul_config(x.dtype, n, k, x.device, partial_sums) if config is None else config
     split_k = cfg["SPLIT_K"]
-    out = (torch.empty(num_rows, n, dtype=x.dtype, device=x.device) if split_k == 1
+    assert not silu_and_mul or (n % 2 == 0 and bias is None and split_k == 1), (
+        "silu_and_mul: a [gate; up] weight, no bias, no split-K")
+    out_features = n // 2 if silu_and_mul else n
+    out = (torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device) if split_k == 1
            else torch.empty(split_k, num_rows, n, dtype=torch.float32, device=x.device))
     if num_rows == 0 or n == 0:
         return out
     options = pdl_options(x.device)
     assert not options["PDL"] or prefetchable(weight), "batch_matmul under PDL needs 16-byte weight rows"
-    grid = (cdiv(n, cfg["BLOCK_N"]), cdiv(num_rows, cfg["BLOCK_M"]), split_k)
+    tile_features = cfg["BLOCK_N"] // 2 if silu_and_mul else cfg["BLOCK_N"]
+    grid = (cdiv(out_features, tile_features), cdiv(num_rows, cfg["BLOCK_M"]), split_k)
     _batch_matmul_kernel[grid](
         x, weight, bias if bias is not None else weight, out,
-        num_rows, n, k,
-        x.stride(0), weight.stride(0), n,
+        num_rows, out_features, k,
+        x.stride(0), weight.stride(0), out_features,
         HAS_BIAS=bias is not None,
+        SILU_AND_MUL=silu_and_mul,
         EVEN_K=k % (split_k * cfg["BLOCK_K"]) == 0,
         SPLIT_K=split_k,
         BLOCK_M=cfg["BLOCK_M"],
@@ -148,20 +170,24 @@ def prefetchable(weight: torch.Tensor) -> bool:
 _chosen: dict[tuple, bool] = {}
 
 
-def chosen(weight: torch.Tensor, bias: torch.Tensor | None = None, partial_sums: bool = False) -> bool:
+def chosen(weight: torch.Tensor, bias: torch.Tensor | None = None, partial_sums: bool = False,
+           fuse_silu_and_mul: bool = False) -> bool:
     """Whether batches of MIN_ROWS to MAX_ROWS rows should multiply by this weight (and add this
-    bias; leaving partial sums if asked) here instead of in cuBLAS; decided once per shape and
+    bias; leaving partial sums if asked; for a packed [gate; up] weight with fuse_silu_and_mul,
+    through batch_matmul_silu_and_mul) here instead of in cuBLAS; decided once per shape and
     dtype. Only where kernels launch with PDL (kernels/pdl.py): the kernel's gain is the weight
     read that PDL lets it start before the kernel ahead of it ends, which timing it alone would
     not show. Deciding runs the kernel (compiling it now, not inside a step: a second's stall)
     at the fewest and most rows; a kernel that disagrees with cuBLAS on the weight is never
     chosen (an error is logged: a kernel bug)."""
-    key = (tuple(weight.shape), weight.dtype, weight.device, bias is not None, partial_sums)
+    key = (tuple(weight.shape), weight.dtype, weight.device, bias is not None, partial_sums, fuse_silu_and_mul)
     if key not in _chosen:
         _chosen[key] = False
         if pdl_enabled(weight.device) and weight.dtype.itemsize == 2 and prefetchable(weight):
             xs = [torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
                   for rows in (MIN_ROWS, MAX_ROWS)]
-            _chosen[key] = all(agrees_with_linear("batch_matmul", batch_matmul(x, weight, bias, partial_sums), x,
-                                                  weight, bias, 1e-2) for x in xs)
+            outs = [batch_matmul_silu_and_mul(x, weight) if fuse_silu_and_mul
+                    else batch_matmul(x, weight, bias, partial_sums) for x in xs]
+            _chosen[key] = all(agrees_with_linear("batch_matmul", out, x, weight, bias, 1e-2, fuse_silu_and_mul)
+                               for out, x in zip(outs, xs))
     return _chosen[key]

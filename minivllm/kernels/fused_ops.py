@@ -27,9 +27,8 @@ q/k slices of a packed qkv tensor need no copy. Activations and weights share on
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from minivllm.kernels import INTERPRETED, SplitKPartials, cdiv, next_power_of_2
+from minivllm.kernels import SplitKPartials, cdiv, next_power_of_2, silu_times_up
 from minivllm.kernels.pdl import pdl_options, wait_for_previous_kernel
 
 FP8_E4M3_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -374,20 +373,6 @@ def qk_norm_rope_store(
 # ----------------------------------------------------------------------------------------
 # SiluAndMul
 # ----------------------------------------------------------------------------------------
-@triton.jit
-def silu_times_up(gate, up, dtype: tl.constexpr):
-    """torch's silu(gate) * up for fp32 tensors holding values of the model dtype: silu as
-    x / (1 + exp(-x)) in float32, rounded to the model dtype before `* up`, the product rounded
-    again. Compiled: libdevice's expf (CUDA's, as torch uses) over tl.exp's ex2.approx; the
-    interpreter has no libdevice."""
-    if INTERPRETED:
-        exp_neg = tl.exp(-gate)
-    else:
-        exp_neg = libdevice.exp(-gate)
-    silu = tl.math.div_rn(gate, 1.0 + exp_neg).to(dtype).to(tl.float32)
-    return (silu * up).to(dtype)
-
-
 @triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_xn, inter,

@@ -34,8 +34,8 @@ import triton.language as tl
 import triton.testing
 
 from minivllm.kernels import (SplitKPartials, agrees_with_linear, cdiv, check_matmul_operands, dot_precision,
-                              matmul_k_range, sm_count, split_count, split_k_range)
-from minivllm.kernels.fused_ops import silu_and_mul, silu_times_up
+                              matmul_k_range, sm_count, split_count, split_k_range, store_output, weight_rows)
+from minivllm.kernels.fused_ops import silu_and_mul
 from minivllm.kernels.pdl import pdl_enabled, pdl_options, wait_for_previous_kernel
 
 # Largest batch this kernel serves (tl.dot's smallest M is 16).
@@ -70,14 +70,7 @@ def _skinny_matmul_kernel(
     rows = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     row_mask = rows < num_rows
-    if SILU_AND_MUL:  # the tile's columns: BLOCK_N // 2 features' gate rows, then the same features' up rows
-        tile_cols = tl.arange(0, BLOCK_N)
-        features = strip * (BLOCK_N // 2) + tile_cols % (BLOCK_N // 2)
-        w_rows = features + (tile_cols >= BLOCK_N // 2) * N
-        col_mask = features < N
-    else:
-        w_rows = strip * BLOCK_N + tl.arange(0, BLOCK_N)  # output features of this program
-        col_mask = w_rows < N
+    w_rows, col_mask = weight_rows(strip, N, BLOCK_N, SILU_AND_MUL)
     k_begin, k_end = split_k_range(K, split, SPLIT_K, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_begin + offs_k)[None, :]
     w_ptrs = w_ptr + w_rows[:, None].to(tl.int64) * stride_wn + (k_begin + offs_k)[None, :]  # int64: N * K may pass 2**31
@@ -88,7 +81,7 @@ def _skinny_matmul_kernel(
     part_ptrs = part_ptr + rows[:, None] * (2 * N if SILU_AND_MUL else N) + w_rows[None, :]
     part_mask = row_mask[:, None] & col_mask[None, :]
     if SPLIT_K == 1:
-        _store_output(acc, bias_ptr, out_ptr, strip, rows, row_mask, N, stride_om, HAS_BIAS, SILU_AND_MUL, BLOCK_N)
+        store_output(acc, bias_ptr, out_ptr, strip, rows, row_mask, N, stride_om, HAS_BIAS, SILU_AND_MUL, BLOCK_N)
     else:
         # split s's partials: s * BLOCK_M * (the weight's rows) further
         part_stride = BLOCK_M * (2 * N if SILU_AND_MUL else N)
@@ -102,29 +95,9 @@ def _skinny_matmul_kernel(
                 total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 for s in range(SPLIT_K):  # in split order: the same sum whoever came last
                     total += tl.load(part_ptrs + s * part_stride, mask=part_mask, other=0.0, cache_modifier=".cg")
-                _store_output(total, bias_ptr, out_ptr, strip, rows, row_mask, N, stride_om, HAS_BIAS, SILU_AND_MUL,
-                              BLOCK_N)
+                store_output(total, bias_ptr, out_ptr, strip, rows, row_mask, N, stride_om, HAS_BIAS, SILU_AND_MUL,
+                             BLOCK_N)
                 tl.store(count_ptr + strip, 0)  # ready for the next launch
-
-
-@triton.jit
-def _store_output(acc, bias_ptr, out_ptr, strip, rows, row_mask, N, stride_om, HAS_BIAS: tl.constexpr,
-                  SILU_AND_MUL: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Store a program's [BLOCK_M, BLOCK_N] fp32 sums (+ bias) in the output's dtype; with
-    SILU_AND_MUL, its gate and up columns rounded to that dtype (as a separate gate_up output
-    would be) and combined into silu(gate) * up for the program's BLOCK_N // 2 features."""
-    dtype = out_ptr.dtype.element_ty
-    if SILU_AND_MUL:
-        cols = strip * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        halves = tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), [acc.shape[0], 2, BLOCK_N // 2]), [0, 2, 1])
-        gate, up = tl.split(halves)
-        out = silu_times_up(gate, up, dtype)
-    else:
-        cols = strip * BLOCK_N + tl.arange(0, BLOCK_N)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        out = acc.to(dtype)
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out, mask=row_mask[:, None] & (cols < N)[None, :])
 
 
 # Split-K launch heuristic: enough programs for this many per SM, but no split shorter than

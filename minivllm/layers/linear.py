@@ -5,6 +5,8 @@ split the input features and all-reduce. Packed layers (qkv, gate_up) load sever
 checkpoint tensors into one weight, each into its own slice.
 """
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,30 +16,34 @@ from minivllm.kernels import SplitKPartials
 from minivllm.layers.activation import SiluAndMul
 
 
-def routed_to_skinny(x: torch.Tensor, use_skinny: bool) -> bool:
-    """Whether x's batch goes to skinny_matmul: a small one, for a weight it was chosen for."""
-    if not use_skinny:
-        return False
-    from minivllm.kernels import skinny_matmul  # imported only where Triton is used
-    return x.dim() == 2 and 0 < x.shape[0] <= skinny_matmul.ROUTED_ROWS
+def small_batch_kernel(x: torch.Tensor, use_skinny: bool, use_batch_matmul: bool) -> ModuleType | None:
+    """The kernel module that serves x's batch where one was chosen for the weight: skinny_matmul
+    for a small decode batch, batch_matmul for a mid-sized one (up to 64 rows); None: cuBLAS."""
+    if not (use_skinny or use_batch_matmul) or x.dim() != 2:
+        return None
+    from minivllm.kernels import batch_matmul, skinny_matmul  # imported only where Triton is used
+    rows = x.shape[0]
+    if use_skinny and 0 < rows <= skinny_matmul.ROUTED_ROWS:
+        return skinny_matmul
+    if use_batch_matmul and batch_matmul.MIN_ROWS <= rows <= batch_matmul.MAX_ROWS:
+        return batch_matmul
+    return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_skinny: bool,
            use_batch_matmul: bool, partial_sums: bool = False) -> torch.Tensor | SplitKPartials:
-    """F.linear; or for a small decode batch the weight-streaming kernel, for a bigger one
-    (up to 64 rows) the batch kernel, where chosen for this weight (with partial_sums and no
-    bias, their output may be left as SplitKPartials)."""
-    if use_skinny or use_batch_matmul:
-        from minivllm.kernels import batch_matmul, skinny_matmul  # imported only where Triton is used
-        rows = x.shape[0] if x.dim() == 2 else 0
-        if routed_to_skinny(x, use_skinny):
-            if partial_sums:
-                assert bias is None, "a bias has no place in partial sums"
-                return skinny_matmul.skinny_matmul_partials(x, weight)
-            return skinny_matmul.skinny_matmul(x, weight, bias)
-        if use_batch_matmul and batch_matmul.MIN_ROWS <= rows <= batch_matmul.MAX_ROWS:
-            return batch_matmul.batch_matmul(x, weight, bias, partial_sums)
-    return F.linear(x, weight, bias)
+    """F.linear, or the small_batch_kernel for x's batch (with partial_sums and no bias, its
+    output may be left as SplitKPartials)."""
+    kernel = small_batch_kernel(x, use_skinny, use_batch_matmul)
+    if kernel is None:
+        return F.linear(x, weight, bias)
+    from minivllm.kernels import batch_matmul
+    if kernel is batch_matmul:
+        return batch_matmul.batch_matmul(x, weight, bias, partial_sums)
+    if partial_sums:
+        assert bias is None, "a bias has no place in partial sums"
+        return kernel.skinny_matmul_partials(x, weight)
+    return kernel.skinny_matmul(x, weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -74,18 +80,22 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class GateUpParallelLinear(ColumnParallelLinear):
     """The MLP's packed gate and up projections (checkpoint parts 0, 1) and the SiluAndMul after
-    them: returns silu(x @ W_gate^T) * (x @ W_up^T). Batches routed to skinny_matmul take one
-    launch for both and the activation (skinny_matmul_silu_and_mul), bit for bit the same."""
+    them: returns silu(x @ W_gate^T) * (x @ W_up^T). Batches routed to skinny_matmul or
+    batch_matmul take one launch for both and the activation (their *_silu_and_mul), bit for
+    bit the same."""
 
     def __init__(self, input_size: int, intermediate_size: int, use_triton: bool) -> None:
-        super().__init__(input_size, [intermediate_size, intermediate_size])
+        super().__init__(input_size, [intermediate_size, intermediate_size])  # no bias (LlamaMLP refuses one)
         self.act = SiluAndMul(use_triton)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if routed_to_skinny(x, self.use_skinny):
-            from minivllm.kernels import skinny_matmul
-            return skinny_matmul.skinny_matmul_silu_and_mul(x, self.weight)
-        return self.act(super().forward(x))
+        kernel = small_batch_kernel(x, self.use_skinny, self.use_batch_matmul)
+        if kernel is None:
+            return self.act(F.linear(x, self.weight))
+        from minivllm.kernels import batch_matmul
+        if kernel is batch_matmul:
+            return batch_matmul.batch_matmul_silu_and_mul(x, self.weight)
+        return kernel.skinny_matmul_silu_and_mul(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -131,4 +141,4 @@ def choose_small_batch_kernels(model: nn.Module) -> None:
             fuse_silu_and_mul = isinstance(module, GateUpParallelLinear)
             module.use_skinny = skinny_matmul.beats_cublas(module.weight, bias, fuse_silu_and_mul)
             partial_sums = isinstance(module, RowParallelLinear) and module.partial_sums
-            module.use_batch_matmul = batch_matmul.chosen(module.weight, bias, partial_sums)
+            module.use_batch_matmul = batch_matmul.chosen(module.weight, bias, partial_sums, fuse_silu_and_mul)
