@@ -143,14 +143,19 @@ def test_choosing_checks_the_kernel_at_the_fewest_and_most_rows(monkeypatch, par
 
 
 @pytest.mark.parametrize("wrong", [False, True])
-def test_choosing_checks_the_silu_and_mul_epilogue(monkeypatch, caplog, wrong):
-    # For a packed [gate; up] weight the choice checks the fused kernel the layer will call.
-    monkeypatch.setattr(batch_module, "_chosen", {})
-    monkeypatch.setattr(batch_module, "pdl_enabled", lambda device: True)
+@pytest.mark.parametrize("kernel", ["skinny_matmul", "batch_matmul"])
+def test_choosing_checks_the_silu_and_mul_epilogue(monkeypatch, caplog, kernel, wrong):
+    # For a packed [gate; up] weight the start-up choice checks the fused kernel the layer calls.
+    from minivllm.kernels import skinny_matmul as skinny_module
+
+    module, choose, decisions = ((skinny_module, skinny_module.beats_cublas, "_beats_cublas") if kernel == "skinny_matmul"
+                                 else (batch_module, batch_module.chosen, "_chosen"))
+    monkeypatch.setattr(module, decisions, {})
+    monkeypatch.setattr(module, "pdl_enabled", lambda device: True)
     if wrong:  # the projection without the activation
-        monkeypatch.setattr(batch_module, "batch_matmul_silu_and_mul", lambda x, w: F.linear(x, w)[:, :w.shape[0] // 2])
+        monkeypatch.setattr(module, f"{kernel}_silu_and_mul", lambda x, w: F.linear(x, w)[:, :w.shape[0] // 2])
     weight = torch.randn(128, 128, dtype=torch.float16, device=DEVICE) / 12
-    assert batch_module.chosen(weight, fuse_silu_and_mul=True) is not wrong
+    assert choose(weight, fuse_silu_and_mul=True) is not wrong
     assert ("disagrees" in caplog.text) is wrong
 
 

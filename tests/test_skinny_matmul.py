@@ -237,17 +237,6 @@ def test_start_up_choice_refuses_a_kernel_that_disagrees(monkeypatch, caplog):
     assert "disagrees" in caplog.text
 
 
-@pytest.mark.parametrize("wrong", [False, True])
-def test_start_up_choice_checks_the_silu_and_mul_epilogue(monkeypatch, caplog, wrong):
-    # For a packed [gate; up] weight the choice checks the fused kernel the layer will call.
-    monkeypatch.setattr(skinny_module, "_beats_cublas", {})
-    monkeypatch.setattr(skinny_module, "pdl_enabled", lambda device: True)
-    if wrong:  # the projection without the activation
-        monkeypatch.setattr(skinny_module, "skinny_matmul_silu_and_mul", lambda x, w: F.linear(x, w)[:, :w.shape[0] // 2])
-    assert skinny_module.beats_cublas(torch.randn(24, 40, device=DEVICE), None, fuse_silu_and_mul=True) is not wrong
-    assert ("disagrees" in caplog.text) is wrong
-
-
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_beats_cublas_times_each_shape_once(monkeypatch):
