@@ -82,12 +82,6 @@ def check_matmul_operands(kernel_name: str, x: torch.Tensor, weight: torch.Tenso
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), "bias must be a contiguous [N]"
 
 
-def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for a packed [..., gate | up] tensor, in torch."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 def agrees_with_linear(kernel_name: str, out: "torch.Tensor | SplitKPartials", x: torch.Tensor,
                        weight: torch.Tensor, bias: torch.Tensor | None, tolerance: float,
                        silu_and_mul: bool = False) -> bool:
@@ -98,7 +92,8 @@ def agrees_with_linear(kernel_name: str, out: "torch.Tensor | SplitKPartials", x
     ours = (out.parts.sum(0) if isinstance(out, SplitKPartials) else out).double()
     want = F.linear(x, weight, bias).double()
     if silu_and_mul:
-        want = silu_and_mul_reference(want)
+        gate, up = want.chunk(2, dim=-1)
+        want = F.silu(gate) * up
     error = float((ours - want).norm() / want.norm().clamp_min(1e-30))
     if error > tolerance:
         logger.error("%s disagrees with F.linear on a %s %s weight (relative error %.2e): a kernel bug; "

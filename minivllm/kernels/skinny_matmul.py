@@ -77,14 +77,14 @@ def _skinny_matmul_kernel(
     wait_for_previous_kernel(PDL)
     acc = matmul_k_range(x_ptrs, w_ptrs, row_mask, col_mask, k_begin, k_end, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
                          DOT_PRECISION)
-    # Where the tile's columns go in the output (its partials: the weight's rows).
-    part_ptrs = part_ptr + rows[:, None] * (2 * N if SILU_AND_MUL else N) + w_rows[None, :]
-    part_mask = row_mask[:, None] & col_mask[None, :]
     if SPLIT_K == 1:
         store_output(acc, bias_ptr, out_ptr, strip, rows, row_mask, N, stride_om, HAS_BIAS, SILU_AND_MUL, BLOCK_N)
     else:
-        # split s's partials: s * BLOCK_M * (the weight's rows) further
-        part_stride = BLOCK_M * (2 * N if SILU_AND_MUL else N)
+        # Partials by weight row, [SPLIT_K, BLOCK_M, the weight's rows]: split s's s * part_stride further.
+        weight_rows_total = 2 * N if SILU_AND_MUL else N
+        part_stride = BLOCK_M * weight_rows_total
+        part_ptrs = part_ptr + rows[:, None] * weight_rows_total + w_rows[None, :]
+        part_mask = row_mask[:, None] & col_mask[None, :]
         tl.store(part_ptrs + split * part_stride, acc, mask=part_mask)
         if REDUCE:
             # Every thread's partials are stored before the count (one thread's atomic) says so:
