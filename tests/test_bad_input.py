@@ -55,6 +55,8 @@ def test_numpy_integers_are_plain_ints_in_params() -> None:
     (5, "prompts must be a prompt or a list of prompts"),
     (["fine", ""], "Prompt 1: The prompt is empty"),
     (["fine", {"prompt_token_ids": [1, 10**9]}], r"Prompt 1: Prompt token ids \[1000000000\]"),
+    (["fine", {"prompt_token_ids": [-3, 1]}], r"Prompt 1: Prompt token ids \[-3\]"),
+    (["fine", {"prompt_token_ids": [1, 2**64]}], r"Prompt 1: Prompt token ids \[18446744073709551616\]"),
     ([{"prompt_token_ids": [1, 2]}, 7], "Prompt 1: Unsupported prompt type int"),
 ])
 def test_bad_prompts_name_their_index(llm: LLM, prompts: object, message: str) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.llm_engine import GC_YOUNG_THRESHOLD, LLMEngine
 from tests.hf_oracle import hf_greedy
 
 MAX_MODEL_LEN = 64
@@ -306,17 +306,21 @@ def test_start_up_warm_up_step_wraps_around_a_small_cache(model_dir: str) -> Non
 
 def test_startup_heap_frozen_and_a_deleted_engine_freed(model_dir: str) -> None:
     """The engine keeps the garbage collector off its start-up objects while it lives (no
-    full collection pauses a step over them), and gives them back when it goes: a deleted
-    LLM's engine is collected, not kept alive by the freeze."""
+    full collection pauses a step over them) and collects young objects less often, and
+    gives both back when it goes: a deleted LLM's engine is collected, not kept alive by the
+    freeze, and the process's threshold is what it was."""
     gc.collect()
     gc.unfreeze()
+    threshold = gc.get_threshold()
     llm = LLM(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE)
     assert gc.get_freeze_count() > 0
+    assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, *threshold[1:])
     engine = weakref.ref(llm.llm_engine)
     del llm
     gc.collect()
     assert engine() is None
     assert gc.get_freeze_count() == 0
+    assert gc.get_threshold() == threshold
 
 
 @pytest.mark.parametrize("name, total_gib, want", [

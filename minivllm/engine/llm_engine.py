@@ -19,6 +19,10 @@ from minivllm.executor.worker import Workers
 from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
+# New container objects between two young-generation collections while an engine lives
+# (Python's default is 700).
+GC_YOUNG_THRESHOLD = 10_000
+
 
 @dataclass
 class Request:
@@ -41,6 +45,7 @@ class Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self._gc_threshold = gc.get_threshold()  # the process's, put back at shutdown
         self.tokenizer: PreTrainedTokenizerBase | None = load_tokenizer(config)
         self.eos_token_ids = self._eos_token_ids()
         self.input_processor = InputProcessor(config, self.tokenizer)
@@ -67,6 +72,12 @@ class LLMEngine:
         # of milliseconds.
         gc.collect()
         gc.freeze()
+        # Requests hold long token lists (a 2,000-token prompt is two lists of 2,000
+        # references), and every young-generation collection scans the young ones again:
+        # at the default threshold (700 new containers) admitting 256 such requests runs
+        # five collections, and the next older generation's a 10-20 ms one. Collect young
+        # objects ~15x less often while the engine lives.
+        gc.set_threshold(GC_YOUNG_THRESHOLD, *self._gc_threshold[1:])
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -145,13 +156,14 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any, and hand the start-up heap back to the
-        garbage collector (so that a deleted engine's cycles are freed). The engine cannot run
-        steps afterwards."""
+        garbage collector, at its former threshold (so that a deleted engine's cycles are
+        freed). The engine cannot run steps afterwards."""
         if self.workers is not None:
             self.model_runner.release_graphs()  # before the process group goes
             self.workers.shutdown()
             self.workers = None
         gc.unfreeze()
+        gc.set_threshold(*self._gc_threshold)
 
     # --- one step ---------------------------------------------------------------------------
 
