@@ -73,10 +73,10 @@ class LLMEngine:
         gc.collect()
         gc.freeze()
         # Requests hold long token lists (a 2,000-token prompt is two lists of 2,000
-        # references), and every young-generation collection scans the young ones again:
-        # at the default threshold (700 new containers) admitting 256 such requests runs
-        # five collections, and the next older generation's a 10-20 ms one. Collect young
-        # objects ~15x less often while the engine lives.
+        # references), and every collection of the young generations scans those lists
+        # again: at Python's default threshold, admitting a few hundred such requests runs
+        # several collections, and finishing them one of the middle generation, all on the
+        # host's critical path. Collect young objects less often while the engine lives.
         gc.set_threshold(GC_YOUNG_THRESHOLD, *self._gc_threshold[1:])
 
     def _eos_token_ids(self) -> set[int]:
