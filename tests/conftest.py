@@ -94,7 +94,7 @@ def cascade_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def silu_and_mul_float64(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gate_up_silu_and_mul_float64(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu(x @ gate^T) * (x @ up^T) for a packed [gate; up] weight (the MLP's gate_up), in float64."""
     gate, up = torch.nn.functional.linear(x.double(), weight.double()).chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up

@@ -51,6 +51,23 @@ def test_deltas_join_to_the_offline_output(engine: AsyncLLM, model_dir: str) -> 
         assert num_outputs == 12  # one delta per token
 
 
+def test_a_token_id_list_changed_after_add_request_is_not_what_runs(engine: AsyncLLM, model_dir: str) -> None:
+    """The engine process gets the ids as they were when add_request returned, even if the
+    caller reuses its list before the commands thread sends them."""
+    ids = [11, 42, 7, 99]
+    want = LLM(model_dir, dtype="float32").generate({"prompt_token_ids": list(ids)}, GREEDY, use_tqdm=False)
+
+    async def run() -> list[int]:
+        stream = await engine.add_request({"prompt_token_ids": ids}, GREEDY)
+        ids[:] = [0] * len(ids)
+        token_ids = []
+        async for output in stream:
+            token_ids += output.outputs[0].token_ids
+        return token_ids
+
+    assert asyncio.run(run()) == want[0].outputs[0].token_ids
+
+
 def test_abort_frees_blocks_and_ends_the_stream(engine: AsyncLLM) -> None:
     async def run() -> None:
         stream = await engine.add_request("The quick brown fox", SamplingParams(max_tokens=500, ignore_eos=True))

@@ -12,7 +12,7 @@ from minivllm.kernels import SplitKPartials, fused_ops
 from minivllm.kernels import batch_matmul as batch_module
 from minivllm.kernels.batch_matmul import MAX_ROWS, MIN_ROWS, batch_matmul, batch_matmul_config
 from minivllm.layers.linear import GateUpParallelLinear, linear
-from tests.conftest import DEVICE, requires_cuda, silu_and_mul_float64
+from tests.conftest import DEVICE, requires_cuda, gate_up_silu_and_mul_float64
 
 # fp32 accumulation in another order than float64; 16-bit outputs: one rounding of the result.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -69,7 +69,7 @@ def test_silu_and_mul_epilogue_gives_the_separate_kernels_output(dtype, num_rows
     out = batch_module.batch_matmul_silu_and_mul(x, weight, config=config)
     assert out.shape == (num_rows, inter) and out.dtype == dtype
     assert torch.equal(out, fused_ops.silu_and_mul(batch_matmul(x, weight, config=config)))
-    torch.testing.assert_close(out.double(), silu_and_mul_float64(x, weight), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(out.double(), gate_up_silu_and_mul_float64(x, weight), atol=TOL[dtype], rtol=TOL[dtype])
 
 
 def test_gate_up_layer_takes_the_fused_kernel_for_decode_batches(monkeypatch):
@@ -87,7 +87,7 @@ def test_gate_up_layer_takes_the_fused_kernel_for_decode_batches(monkeypatch):
         if chosen and MIN_ROWS <= rows <= MAX_ROWS:
             assert torch.equal(got, torch.full((rows, 8), 1234.0)), (rows, chosen)
         else:
-            torch.testing.assert_close(got.double(), silu_and_mul_float64(x, layer.weight), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got.double(), gate_up_silu_and_mul_float64(x, layer.weight), atol=1e-5, rtol=1e-5)
 
 
 def test_config_splits_k_evenly_to_fill_the_gpu():
@@ -184,6 +184,6 @@ def test_gpu_qwen3_projections(num_rows, n, k, partial_sums):
     if n == 6144:  # gate_up, ending with SiLU-and-mul: bit for bit the separate kernels' output
         fused = batch_module.batch_matmul_silu_and_mul(x, weight)
         assert torch.equal(fused, fused_ops.silu_and_mul(out))
-        torch.testing.assert_close(fused.double(), silu_and_mul_float64(x, weight), atol=TOL[torch.bfloat16],
+        torch.testing.assert_close(fused.double(), gate_up_silu_and_mul_float64(x, weight), atol=TOL[torch.bfloat16],
                                    rtol=TOL[torch.bfloat16])
         assert batch_module.chosen(weight, fuse_silu_and_mul=True)

@@ -3,13 +3,15 @@ prompts in one step, aborts, stops, n > 1, logprobs, seeds, and bad input."""
 
 import gc
 import random
+import subprocess
+import sys
 import weakref
 
 import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine.llm_engine import GC_YOUNG_THRESHOLD, LLMEngine
+from minivllm.engine.llm_engine import LLMEngine
 from tests.hf_oracle import hf_greedy
 
 MAX_MODEL_LEN = 64
@@ -288,6 +290,31 @@ def test_a_failed_step_stops_the_engine(model_dir: str, monkeypatch: pytest.Monk
         engine.step()
 
 
+def test_a_failed_start_stops_the_workers(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the model runner cannot be built, the tensor-parallel workers already started are
+    stopped and the runner's own error is what the caller sees."""
+    from minivllm.config import EngineConfig
+    from minivllm.engine import llm_engine
+
+    stopped = []
+
+    class StartedWorkers:
+        def __init__(self, config: EngineConfig) -> None:
+            pass
+
+        def shutdown(self) -> None:
+            stopped.append(True)
+
+    def broken_runner(config: EngineConfig, workers: object) -> None:
+        raise MemoryError("no room for the weights")
+
+    monkeypatch.setattr(llm_engine, "Workers", StartedWorkers)
+    monkeypatch.setattr(llm_engine, "ModelRunner", broken_runner)
+    with pytest.raises(MemoryError, match="no room for the weights"):
+        LLMEngine(EngineConfig(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, tensor_parallel_size=2))
+    assert stopped == [True]
+
+
 def test_start_up_warm_up_step_wraps_around_a_small_cache(model_dir: str) -> None:
     # The GPU start-up runs the largest step once after the KV cache exists (so that its
     # activations' memory stays cached). Its block ids wrap around the cache, and the
@@ -306,21 +333,38 @@ def test_start_up_warm_up_step_wraps_around_a_small_cache(model_dir: str) -> Non
 
 def test_startup_heap_frozen_and_a_deleted_engine_freed(model_dir: str) -> None:
     """The engine keeps the garbage collector off its start-up objects while it lives (no
-    full collection pauses a step over them) and collects young objects less often, and
-    gives both back when it goes: a deleted LLM's engine is collected, not kept alive by the
-    freeze, and the process's threshold is what it was."""
+    full collection pauses a step over them), and gives them back when it goes: a deleted
+    LLM's engine is collected, not kept alive by the freeze."""
     gc.collect()
     gc.unfreeze()
-    threshold = gc.get_threshold()
     llm = LLM(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE)
     assert gc.get_freeze_count() > 0
-    assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, *threshold[1:])
     engine = weakref.ref(llm.llm_engine)
     del llm
     gc.collect()
     assert engine() is None
     assert gc.get_freeze_count() == 0
-    assert gc.get_threshold() == threshold
+
+
+def test_gc_threshold_raised_while_any_engine_lives(model_dir: str) -> None:
+    """The first engine raises the young-generation threshold; it stays raised while any
+    engine lives, and the process's own comes back when the last one shuts down (a second
+    shutdown changes nothing). In a fresh interpreter: this module's fixture keeps an
+    engine alive here."""
+    script = f"""
+import gc
+from minivllm import LLM
+from minivllm.engine.llm_engine import GC_YOUNG_THRESHOLD
+gc.set_threshold(500, 9, 8)
+first, second = (LLM({model_dir!r}, dtype="float32", max_model_len={MAX_MODEL_LEN}) for _ in range(2))
+assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, 9, 8), gc.get_threshold()
+first.llm_engine.shutdown()
+first.llm_engine.shutdown()
+assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, 9, 8), gc.get_threshold()
+del second
+assert gc.get_threshold() == (500, 9, 8), gc.get_threshold()
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
 
 
 @pytest.mark.parametrize("name, total_gib, want", [

@@ -12,7 +12,7 @@ from minivllm.kernels import SplitKPartials
 from minivllm.kernels import skinny_matmul as skinny_module
 from minivllm.kernels.skinny_matmul import MAX_ROWS, ROUTED_ROWS, skinny_matmul
 from minivllm.layers.linear import linear
-from tests.conftest import DEVICE, requires_cuda, silu_and_mul_float64
+from tests.conftest import DEVICE, requires_cuda, gate_up_silu_and_mul_float64
 
 # fp32 accumulation in another order than float64; 16-bit outputs: one rounding of the result.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -113,7 +113,7 @@ def test_silu_and_mul_epilogue_gives_the_separate_kernels_output(dtype, num_rows
         out = skinny_module.skinny_matmul_silu_and_mul(x, weight, config=config)
         assert out.shape == (num_rows, inter) and out.dtype == dtype
         assert torch.equal(out, fused_ops.silu_and_mul(skinny_matmul(x, weight, config=config)))
-    torch.testing.assert_close(out.double(), silu_and_mul_float64(x, weight), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(out.double(), gate_up_silu_and_mul_float64(x, weight), atol=TOL[dtype], rtol=TOL[dtype])
 
 
 def test_strided_rows_and_empty_batch():
@@ -164,7 +164,7 @@ def test_gate_up_layer_takes_the_fused_kernel_only_for_routed_batches(monkeypatc
         if use_skinny and rows <= ROUTED_ROWS:
             assert torch.equal(got, torch.full((rows, 8), 1234.0)), (rows, use_skinny)
         else:
-            torch.testing.assert_close(got.double(), silu_and_mul_float64(x, layer.weight), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got.double(), gate_up_silu_and_mul_float64(x, layer.weight), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu
@@ -190,7 +190,7 @@ def test_gpu_silu_and_mul_gate_up_shapes(dtype, n, k, num_rows):
     weight = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DEVICE, dtype)
     out = skinny_module.skinny_matmul_silu_and_mul(x, weight)
     assert torch.equal(out, fused_ops.silu_and_mul(skinny_matmul(x, weight)))
-    torch.testing.assert_close(out.double(), silu_and_mul_float64(x, weight), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(out.double(), gate_up_silu_and_mul_float64(x, weight), atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @pytest.mark.gpu

@@ -228,6 +228,9 @@ class AsyncLLM:
         arrival_time = arrival_time or time.time()
         params = params or SamplingParams()
         checked = [self.input_processor.process(await self._with_token_ids(prompt), params) for prompt in prompts]
+        # The commands thread sends the token ids after this returns, when the caller may
+        # already have changed a list it passed: send copies.
+        checked = [(prompt_text, list(prompt_token_ids)) for prompt_text, prompt_token_ids in checked]
         request_ids = [request_id or self._next_request_id() for request_id in request_ids]
         in_use = set(self._streams)
         for request_id in request_ids:

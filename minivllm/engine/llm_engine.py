@@ -22,6 +22,25 @@ from minivllm.sampling_params import SamplingParams
 # New container objects between two young-generation collections while an engine lives
 # (Python's default is 700).
 GC_YOUNG_THRESHOLD = 10_000
+# The threshold is the process's: the first engine raises it, the last to shut down puts
+# back what the first found.
+_engines_raising_gc_threshold = 0
+_gc_threshold_before_engines = gc.get_threshold()
+
+
+def _raise_gc_threshold() -> None:
+    global _engines_raising_gc_threshold, _gc_threshold_before_engines
+    if _engines_raising_gc_threshold == 0:
+        _gc_threshold_before_engines = gc.get_threshold()
+        gc.set_threshold(GC_YOUNG_THRESHOLD, *_gc_threshold_before_engines[1:])
+    _engines_raising_gc_threshold += 1
+
+
+def _restore_gc_threshold() -> None:
+    global _engines_raising_gc_threshold
+    _engines_raising_gc_threshold -= 1
+    if _engines_raising_gc_threshold == 0:
+        gc.set_threshold(*_gc_threshold_before_engines)
 
 
 @dataclass
@@ -45,7 +64,6 @@ class Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self._gc_threshold = gc.get_threshold()  # the process's, put back at shutdown
         self.tokenizer: PreTrainedTokenizerBase | None = load_tokenizer(config)
         self.eos_token_ids = self._eos_token_ids()
         self.input_processor = InputProcessor(config, self.tokenizer)
@@ -54,7 +72,8 @@ class LLMEngine:
         try:
             self.model_runner = ModelRunner(config, self.workers)
         except BaseException:
-            self.shutdown()
+            if self.workers is not None:
+                self.workers.shutdown()
             raise
         self.kv_cache_manager = KVCacheManager(self.model_runner.num_blocks, config.block_size,
                                                config.enable_prefix_caching)
@@ -72,12 +91,12 @@ class LLMEngine:
         # of milliseconds.
         gc.collect()
         gc.freeze()
-        # Requests hold long token lists (a 2,000-token prompt is two lists of 2,000
-        # references), and every collection of the young generations scans those lists
-        # again: at Python's default threshold, admitting a few hundred such requests runs
-        # several collections, and finishing them one of the middle generation, all on the
-        # host's critical path. Collect young objects less often while the engine lives.
-        gc.set_threshold(GC_YOUNG_THRESHOLD, *self._gc_threshold[1:])
+        # A collection traverses every list in the generations it collects, and requests
+        # bring long ones (a 2,000-token prompt is two lists of 2,000 references): at Python's
+        # default threshold, admitting a few hundred such requests runs several collections
+        # over them, on the host's critical path. Collect young objects less often.
+        _raise_gc_threshold()
+        self._raised_gc_threshold = True
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -156,14 +175,16 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any, and hand the start-up heap back to the
-        garbage collector, at its former threshold (so that a deleted engine's cycles are
-        freed). The engine cannot run steps afterwards."""
+        garbage collector (so that a deleted engine's cycles are freed), at its former
+        threshold once no other engine lives. The engine cannot run steps afterwards."""
         if self.workers is not None:
             self.model_runner.release_graphs()  # before the process group goes
             self.workers.shutdown()
             self.workers = None
         gc.unfreeze()
-        gc.set_threshold(*self._gc_threshold)
+        if self._raised_gc_threshold:
+            _restore_gc_threshold()
+            self._raised_gc_threshold = False
 
     # --- one step ---------------------------------------------------------------------------
 

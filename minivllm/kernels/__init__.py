@@ -84,14 +84,14 @@ def check_matmul_operands(kernel_name: str, x: torch.Tensor, weight: torch.Tenso
 
 def agrees_with_linear(kernel_name: str, out: "torch.Tensor | SplitKPartials", x: torch.Tensor,
                        weight: torch.Tensor, bias: torch.Tensor | None, tolerance: float,
-                       silu_and_mul: bool = False) -> bool:
+                       fuse_silu_and_mul: bool = False) -> bool:
     """Whether a matmul kernel's output for x is F.linear(x, weight, bias) within `tolerance`
-    (relative error, in float64); with silu_and_mul, silu(gate) * up of that output (a packed
+    (relative error, in float64); with fuse_silu_and_mul, silu(gate) * up of that output (a packed
     [gate; up] weight). If not, logs an error: a kernel bug, and the caller keeps cuBLAS for
     this weight."""
     ours = (out.parts.sum(0) if isinstance(out, SplitKPartials) else out).double()
     want = F.linear(x, weight, bias).double()
-    if silu_and_mul:
+    if fuse_silu_and_mul:
         gate, up = want.chunk(2, dim=-1)
         want = F.silu(gate) * up
     error = float((ours - want).norm() / want.norm().clamp_min(1e-30))
@@ -164,8 +164,8 @@ def weight_rows(strip, N, BLOCK_N: tl.constexpr, SILU_AND_MUL: tl.constexpr):
 @triton.jit
 def store_output(acc, bias_ptr, out_ptr, strip, rows, row_mask, N, stride_om, HAS_BIAS: tl.constexpr,
                   SILU_AND_MUL: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Store the [rows, BLOCK_N] fp32 sums (+ bias) of output tile `strip` in the output's
-    dtype; with SILU_AND_MUL (columns as weight_rows gives them), its gate and up columns
+    """Store the [rows, BLOCK_N] fp32 sums (+ bias, if HAS_BIAS) of output tile `strip` in the
+    output's dtype; with SILU_AND_MUL (never with a bias: the hosts refuse one) (columns as weight_rows gives them), its gate and up columns
     rounded to that dtype (as a separate gate_up output would be) and combined into
     silu(gate) * up for the tile's BLOCK_N // 2 features."""
     dtype = out_ptr.dtype.element_ty

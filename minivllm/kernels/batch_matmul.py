@@ -109,43 +109,43 @@ def batch_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     tensor; with partial_sums (no bias) possibly SplitKPartials, to be consumed before the next
     call. weight [N, K] and x share a float dtype, both with a contiguous last dimension;
     fp32 accumulation. `config` overrides batch_matmul_config()."""
-    return _launch(x, weight, bias, partial_sums, config, silu_and_mul=False)
+    return _launch(x, weight, bias, partial_sums, config, fuse_silu_and_mul=False)
 
 
 def batch_matmul_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """`fused_ops.silu_and_mul(batch_matmul(x, weight))` for a packed weight [2I, K] = [gate; up]
     (the MLP's gate_up projection, no bias) in one launch: a new [M, I] tensor, bit for bit the
     same. `config` as batch_matmul's, for the packed weight."""
-    out = _launch(x, weight, None, False, config, silu_and_mul=True)
+    out = _launch(x, weight, None, False, config, fuse_silu_and_mul=True)
     assert isinstance(out, torch.Tensor)
     return out
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, partial_sums: bool,
-            config: dict | None, silu_and_mul: bool) -> torch.Tensor | SplitKPartials:
+            config: dict | None, fuse_silu_and_mul: bool) -> torch.Tensor | SplitKPartials:
     num_rows, k = x.shape
     n = weight.shape[0]
     check_matmul_operands("batch_matmul", x, weight, bias, MAX_ROWS)
     assert not (partial_sums and bias is not None), "a bias has no place in partial sums"
     cfg = batch_matmul_config(x.dtype, n, k, x.device, partial_sums) if config is None else config
     split_k = cfg["SPLIT_K"]
-    assert not silu_and_mul or (n % 2 == 0 and bias is None and split_k == 1), (
-        "silu_and_mul: a [gate; up] weight, no bias, no split-K")
-    out_features = n // 2 if silu_and_mul else n
+    assert not fuse_silu_and_mul or (n % 2 == 0 and bias is None and split_k == 1), (
+        "fuse_silu_and_mul: a [gate; up] weight, no bias, no split-K")
+    out_features = n // 2 if fuse_silu_and_mul else n
     out = (torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device) if split_k == 1
            else torch.empty(split_k, num_rows, n, dtype=torch.float32, device=x.device))
     if num_rows == 0 or n == 0:
         return out
     options = pdl_options(x.device)
     assert not options["PDL"] or prefetchable(weight), "batch_matmul under PDL needs 16-byte weight rows"
-    tile_features = cfg["BLOCK_N"] // 2 if silu_and_mul else cfg["BLOCK_N"]
+    tile_features = cfg["BLOCK_N"] // 2 if fuse_silu_and_mul else cfg["BLOCK_N"]
     grid = (cdiv(out_features, tile_features), cdiv(num_rows, cfg["BLOCK_M"]), split_k)
     _batch_matmul_kernel[grid](
         x, weight, bias if bias is not None else weight, out,
         num_rows, out_features, k,
         x.stride(0), weight.stride(0), out_features,
         HAS_BIAS=bias is not None,
-        SILU_AND_MUL=silu_and_mul,
+        SILU_AND_MUL=fuse_silu_and_mul,
         EVEN_K=k % (split_k * cfg["BLOCK_K"]) == 0,
         SPLIT_K=split_k,
         BLOCK_M=cfg["BLOCK_M"],

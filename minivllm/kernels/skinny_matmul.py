@@ -50,7 +50,7 @@ ROUTED_ROWS = 4
 @triton.jit(do_not_specialize=["num_rows"])  # one compilation for every batch size
 def _skinny_matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr,
-    part_ptr,  # [SPLIT_K, BLOCK_M, N] fp32 workspace (SPLIT_K > 1)
+    part_ptr,  # [SPLIT_K, BLOCK_M, N] fp32 workspace (SPLIT_K > 1; 2N columns with SILU_AND_MUL)
     count_ptr,  # [strips] int32, zero between launches: splits of each strip done (SPLIT_K > 1)
     num_rows, N, K,
     stride_xm, stride_wn, stride_om,
@@ -165,7 +165,7 @@ def skinny_matmul_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, config: di
     """`fused_ops.silu_and_mul(skinny_matmul(x, weight))` for a packed weight [2I, K] = [gate; up]
     (the MLP's gate_up projection, no bias) in one launch: a new [M, I] tensor, bit for bit the
     same. `config` as skinny_matmul's, for the packed weight."""
-    out = _launch(x, weight, None, config, reduce=True, silu_and_mul=True)
+    out = _launch(x, weight, None, config, reduce=True, fuse_silu_and_mul=True)
     assert isinstance(out, torch.Tensor)
     return out
 
@@ -180,17 +180,17 @@ def skinny_matmul_partials(x: torch.Tensor, weight: torch.Tensor,
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: dict | None,
-            reduce: bool, silu_and_mul: bool = False) -> torch.Tensor | SplitKPartials:
+            reduce: bool, fuse_silu_and_mul: bool = False) -> torch.Tensor | SplitKPartials:
     num_rows, k = x.shape
     n = weight.shape[0]
-    assert not silu_and_mul or (n % 2 == 0 and bias is None and reduce), "silu_and_mul: a [gate; up] weight, no bias"
+    assert not fuse_silu_and_mul or (n % 2 == 0 and bias is None and reduce), "fuse_silu_and_mul: a [gate; up] weight, no bias"
     check_matmul_operands("skinny_matmul", x, weight, bias, MAX_ROWS)
-    out_features = n // 2 if silu_and_mul else n
+    out_features = n // 2 if fuse_silu_and_mul else n
     out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
     if num_rows == 0 or n == 0:
         return out
     cfg = skinny_matmul_config(x.dtype, n, k, x.device) if config is None else config
-    strips = cdiv(out_features, cfg["BLOCK_N"] // 2 if silu_and_mul else cfg["BLOCK_N"])
+    strips = cdiv(out_features, cfg["BLOCK_N"] // 2 if fuse_silu_and_mul else cfg["BLOCK_N"])
     split_k = cfg["SPLIT_K"]
     part = count = out  # placeholders when SPLIT_K == 1 (never touched)
     if split_k > 1:
@@ -200,7 +200,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
         num_rows, out_features, k,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
-        SILU_AND_MUL=silu_and_mul,
+        SILU_AND_MUL=fuse_silu_and_mul,
         EVEN_K=k % cfg["BLOCK_K"] == 0,
         SPLIT_K=split_k,
         REDUCE=reduce,
@@ -221,10 +221,10 @@ _beats_cublas: dict[tuple, bool] = {}
 
 
 def beats_cublas(weight: torch.Tensor, bias: torch.Tensor | None = None, fuse_silu_and_mul: bool = False) -> bool:
-    """Whether skinny_matmul should multiply one row by this weight (and add this bias)
-    instead of cuBLAS on this GPU; decided once per shape and dtype. fuse_silu_and_mul: the
-    weight is a packed [gate; up], served by skinny_matmul_silu_and_mul (checked and timed as
-    such, against cuBLAS and the SiluAndMul kernel).
+    """Whether skinny_matmul (skinny_matmul_silu_and_mul with fuse_silu_and_mul: the weight is
+    a packed [gate; up], checked and timed as such, against cuBLAS and the SiluAndMul kernel)
+    should multiply one row by this weight (and add this bias) instead of cuBLAS on this GPU;
+    decided once per shape and dtype.
 
     Where our kernels launch with programmatic dependent launch: always. In a step's chain
     of PDL kernels each launch overlaps the kernel before it, which a cuBLAS kernel's cannot

@@ -89,7 +89,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size, partial_sums=use_triton)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
-        return self.down_proj(self.gate_up_proj(x))
+        return self.down_proj(self.gate_up_proj(x))  # gate_up_proj ends with the SiLU-and-mul
 
 
 class LlamaDecoderLayer(nn.Module):
