@@ -165,9 +165,10 @@ def weight_rows(strip, N, BLOCK_N: tl.constexpr, SILU_AND_MUL: tl.constexpr):
 def store_output(acc, bias_ptr, out_ptr, strip, rows, row_mask, N, stride_om, HAS_BIAS: tl.constexpr,
                   SILU_AND_MUL: tl.constexpr, BLOCK_N: tl.constexpr):
     """Store the [rows, BLOCK_N] fp32 sums (+ bias, if HAS_BIAS) of output tile `strip` in the
-    output's dtype; with SILU_AND_MUL (never with a bias: the hosts refuse one) (columns as weight_rows gives them), its gate and up columns
-    rounded to that dtype (as a separate gate_up output would be) and combined into
-    silu(gate) * up for the tile's BLOCK_N // 2 features."""
+    output's dtype; with SILU_AND_MUL (columns as weight_rows gives them; never with a bias,
+    which the host wrappers refuse), its gate and up columns rounded to that dtype (as a
+    separate gate_up output would be) and combined into silu(gate) * up for the tile's
+    BLOCK_N // 2 features."""
     dtype = out_ptr.dtype.element_ty
     if SILU_AND_MUL:
         cols = strip * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)

@@ -183,7 +183,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
             reduce: bool, fuse_silu_and_mul: bool = False) -> torch.Tensor | SplitKPartials:
     num_rows, k = x.shape
     n = weight.shape[0]
-    assert not fuse_silu_and_mul or (n % 2 == 0 and bias is None and reduce), "fuse_silu_and_mul: a [gate; up] weight, no bias"
+    assert not fuse_silu_and_mul or (n % 2 == 0 and bias is None and reduce), (
+        "fuse_silu_and_mul: a [gate; up] weight, no bias")
     check_matmul_operands("skinny_matmul", x, weight, bias, MAX_ROWS)
     out_features = n // 2 if fuse_silu_and_mul else n
     out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
