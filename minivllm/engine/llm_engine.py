@@ -247,7 +247,7 @@ class LLMEngine:
             if self._check_stop(request, seq, token) or request.stream:
                 advanced[request.request_id] = request
         finished = [request for request in advanced.values() if request.finished]
-        final_texts = self._final_texts([seq for request in finished for seq in request.seqs
+        final_texts = self._final_texts([(request, seq) for request in finished for seq in request.seqs
                                          if request.detokenizers[seq.index] is None])
         outputs = []
         for request in advanced.values():
@@ -305,17 +305,18 @@ class LLMEngine:
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              request.finished, request.metrics, request.seqs[0].num_cached_tokens)
 
-    def _final_texts(self, seqs: list[Sequence]) -> dict[int, str]:
-        """The whole output text of each of these finished sequences, by seq_id: decoded
-        together (detokenize), one batch per skip_special_tokens setting."""
+    def _final_texts(self, finished: list[tuple[Request, Sequence]]) -> dict[int, str]:
+        """The whole output text of each of these finished sequences (each with its request),
+        by seq_id: decoded together (detokenize), one batch per skip_special_tokens setting.
+        The prompt is the request's list (a sequence's prompt_token_ids would copy it)."""
         if self.tokenizer is None:
-            return {seq.seq_id: "" for seq in seqs}
+            return {seq.seq_id: "" for _, seq in finished}
         texts = {}
-        for skip in {seq.params.skip_special_tokens for seq in seqs}:
-            group = [seq for seq in seqs if seq.params.skip_special_tokens == skip]
-            decoded = detokenize(self.tokenizer, [(seq.prompt_token_ids, self._text_token_ids(seq)) for seq in group],
-                                 skip)
-            texts.update(zip((seq.seq_id for seq in group), decoded))
+        for skip in {seq.params.skip_special_tokens for _, seq in finished}:
+            group = [(request, seq) for request, seq in finished if seq.params.skip_special_tokens == skip]
+            decoded = detokenize(self.tokenizer, [(request.prompt_token_ids, self._text_token_ids(seq))
+                                                  for request, seq in group], skip)
+            texts.update(zip((seq.seq_id for _, seq in group), decoded))
         return texts
 
     @staticmethod
