@@ -72,19 +72,25 @@ def test_silu_and_mul_epilogue_gives_the_separate_kernels_output(dtype, num_rows
     torch.testing.assert_close(out.double(), gate_up_silu_and_mul_float64(x, weight), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def test_gate_up_layer_takes_the_fused_kernel_for_decode_batches(monkeypatch):
-    # Mid-sized batches of a chosen weight: one launch (the stand-in answers what no projection
+@pytest.mark.parametrize("kernel", ["skinny_matmul", "batch_matmul"])
+def test_gate_up_layer_takes_the_fused_kernel_only_for_routed_batches(monkeypatch, kernel):
+    # Routed batches of a chosen weight: one launch (the stand-in answers what no projection
     # would); the rest: the projection, then the activation (written here in float64).
-    monkeypatch.setattr(batch_module, "batch_matmul_silu_and_mul",
+    from minivllm.kernels import skinny_matmul as skinny_module
+
+    if kernel == "skinny_matmul":
+        module, flag, first, last = skinny_module, "use_skinny", 1, skinny_module.ROUTED_ROWS
+    else:
+        module, flag, first, last = batch_module, "use_batch_matmul", MIN_ROWS, MAX_ROWS
+    monkeypatch.setattr(module, f"{kernel}_silu_and_mul",
                         lambda x, w: torch.full((x.shape[0], w.shape[0] // 2), 1234.0))
     layer = GateUpParallelLinear(16, 8, use_triton=False)
     layer.weight.data.copy_(torch.randn(16, 16, generator=torch.Generator().manual_seed(0)))
-    for rows, chosen in [(MIN_ROWS - 1, True), (MIN_ROWS, True), (MAX_ROWS, True), (MAX_ROWS + 1, True),
-                         (MIN_ROWS, False)]:
-        layer.use_batch_matmul = chosen
+    for rows, chosen in [(first - 1, True), (first, True), (last, True), (last + 1, True), (first, False)]:
+        setattr(layer, flag, chosen)
         x = torch.randn(rows, 16)
         got = layer(x)
-        if chosen and MIN_ROWS <= rows <= MAX_ROWS:
+        if chosen and first <= rows <= last:
             assert torch.equal(got, torch.full((rows, 8), 1234.0)), (rows, chosen)
         else:
             torch.testing.assert_close(got.double(), gate_up_silu_and_mul_float64(x, layer.weight), atol=1e-5, rtol=1e-5)

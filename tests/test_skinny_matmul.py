@@ -148,25 +148,6 @@ def test_linear_layers_route_only_small_batches_of_chosen_weights(monkeypatch):
     assert rows_seen == [1, ROUTED_ROWS]
 
 
-def test_gate_up_layer_takes_the_fused_kernel_only_for_routed_batches(monkeypatch):
-    # Small batches of a chosen weight: one launch (the stand-in answers what no projection
-    # would); the rest: the projection, then the activation (written here in float64).
-    from minivllm.layers.linear import GateUpParallelLinear
-
-    monkeypatch.setattr(skinny_module, "skinny_matmul_silu_and_mul",
-                        lambda x, w: torch.full((x.shape[0], w.shape[0] // 2), 1234.0))
-    layer = GateUpParallelLinear(16, 8, use_triton=False)
-    layer.weight.data.copy_(torch.randn(16, 16, generator=torch.Generator().manual_seed(0)))
-    for rows, use_skinny in [(1, True), (ROUTED_ROWS, True), (ROUTED_ROWS + 1, True), (1, False)]:
-        layer.use_skinny = use_skinny
-        x = torch.randn(rows, 16)
-        got = layer(x)
-        if use_skinny and rows <= ROUTED_ROWS:
-            assert torch.equal(got, torch.full((rows, 8), 1234.0)), (rows, use_skinny)
-        else:
-            torch.testing.assert_close(got.double(), gate_up_silu_and_mul_float64(x, layer.weight), atol=1e-5, rtol=1e-5)
-
-
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
