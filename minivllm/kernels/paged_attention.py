@@ -76,8 +76,9 @@ def _load_e4m3_as_f16(ptr, row_offs, row_valid, ROWS: tl.constexpr, HEAD_DIM: tl
     widened to fp16. For the value tile of P @ V: the dot reads V along its rows, and
     Hopper has no transposing shared-memory load for 8-bit data, so a plain fp8 load would
     be read back from shared memory a byte at a time. Loaded as 4-byte words and widened
-    in registers, the fp16 tile goes through the transposing 16-bit load instead. Rows with
-    row_valid False read zeros (if MASK)."""
+    in registers, the fp16 tile goes through the transposing 16-bit load instead. Its columns
+    come in _value_column_order (the caller's P @ V then has its columns in that order too).
+    Rows with row_valid False read zeros (if MASK)."""
     words_ptr = ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     offs_w = tl.arange(0, HEAD_DIM // 4)
     ptrs = words_ptr + (row_offs // 4)[:, None] + offs_w[None, :]  # rows start 4-byte aligned (D >= 16)
@@ -104,7 +105,30 @@ def _load_e4m3_as_f16(ptr, row_offs, row_valid, ROWS: tl.constexpr, HEAD_DIM: tl
             constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
             is_pure=True, pack=1)
     # join adds a last axis: [.., 2] of (b0, b2) then of that and (b1, b3) gives b0 b1 b2 b3.
-    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (ROWS, HEAD_DIM))
+    v = _value_column_order(tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (ROWS, HEAD_DIM)), ROWS, HEAD_DIM)
+    if INTERPRETED:
+        return v
+    # Triton picks the P @ V dot's operand layout from what its inputs were loaded as, and
+    # takes the joins above for a sub-16-bit load: its kWidth would be 4, whose transposing
+    # loads of this tile conflict in shared memory (two wavefronts each instead of one). An
+    # impure identity hides the chain, and the dot takes the plain fp16 layout (kWidth 2).
+    return tl.inline_asm_elementwise(asm="mov.b32 $0, $1;", constraints="=r,r", args=[v], dtype=tl.float16,
+                                     is_pure=False, pack=2)
+
+
+@triton.jit
+def _value_column_order(x, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """x's columns reordered: d = 16 j + 8 h + e goes to 64 h + 8 j + e (HEAD_DIM // 16 groups j
+    of two halves h). A thread holds 16 consecutive columns of a widened FP8 tile, so stored
+    as it is, the first 16-byte stores of 8 neighbouring threads would hit every other
+    16-byte bank group twice; reordered, they hit each group once. _dim_order undoes it."""
+    return tl.reshape(tl.permute(tl.reshape(x, (ROWS, HEAD_DIM // 16, 2, 8)), (0, 2, 1, 3)), (ROWS, HEAD_DIM))
+
+
+@triton.jit
+def _dim_order(x, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The inverse of _value_column_order."""
+    return tl.reshape(tl.permute(tl.reshape(x, (ROWS, 2, HEAD_DIM // 16, 8)), (0, 2, 1, 3)), (ROWS, HEAD_DIM))
 
 
 # ----------------------------------------------------------------------------------------
@@ -132,6 +156,8 @@ def _attend_kv_tiles(
     # The whole loop is one helper (not one call per tile) because Triton's interpreter
     # pays a large fixed cost for every call of a jitted function; compiled, it is inlined.
     offs_d = tl.arange(0, HEAD_DIM)
+    if v_cache_ptr.dtype.element_ty == tl.float8e4nv:  # value tiles come in _value_column_order
+        acc = _value_column_order(acc, acc.shape[0], HEAD_DIM)
     for t in range(tile_begin, tile_end):
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         kv_valid = offs_n < kv_len
@@ -172,6 +198,8 @@ def _attend_kv_tiles(
                 v = tl.load(v_cache_ptr + kv_ptrs)
             v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if v_cache_ptr.dtype.element_ty == tl.float8e4nv:
+        acc = _dim_order(acc, acc.shape[0], HEAD_DIM)
     return acc, l_i, m_i
 
 
@@ -495,6 +523,8 @@ def _own_keys_kernel(
         else:
             v = tl.load(v_cache_ptr + kv_ptrs, mask=valid[:, None], other=0.0).to(DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+    if v_cache_ptr.dtype.element_ty == tl.float8e4nv:  # acc started at zeros, in any column order
+        acc = _dim_order(acc, BLOCK_M, HEAD_DIM)
 
     empty = l_i == 0.0  # no own keys in this split (or a padded row): no weight in the merge
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
