@@ -63,12 +63,19 @@ def test_partial_sums_add_up_in_the_add_rms_norm(dtype):
     (33, 40, 96, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, SPLIT_K=1, num_warps=4, num_stages=2)),  # row tiles
 ])
 def test_silu_and_mul_epilogue_gives_the_separate_kernels_output(dtype, num_rows, inter, k, config):
-    """One launch for the packed gate_up projection and SiluAndMul gives bit for bit what the
-    projection and fused_ops.silu_and_mul give one after the other (both agree with float64)."""
+    """One launch for the packed gate_up projection and SiluAndMul gives what the projection and
+    fused_ops.silu_and_mul give one after the other (both agree with float64): bit for bit in
+    fp16. In fp32 the interpreter's dots are numpy matmuls, whose summation order follows the
+    operand shapes and the CPU's BLAS kernels, so the fused launch's separate gate and up dots
+    may differ from the packed one's in the last bits."""
     x, weight, _, _ = operands(num_rows, 2 * inter, k, dtype, False)
     out = batch_module.batch_matmul_silu_and_mul(x, weight, config=config)
     assert out.shape == (num_rows, inter) and out.dtype == dtype
-    assert torch.equal(out, fused_ops.silu_and_mul(batch_matmul(x, weight, config=config)))
+    separate = fused_ops.silu_and_mul(batch_matmul(x, weight, config=config))
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, separate, atol=1e-6, rtol=1e-6)
+    else:
+        assert torch.equal(out, separate)
     torch.testing.assert_close(out.double(), gate_up_silu_and_mul_float64(x, weight), atol=TOL[dtype], rtol=TOL[dtype])
 
 
