@@ -96,26 +96,29 @@ def test_gpu_fused_store_rounds_as_torch(dtype: torch.dtype) -> None:
     run_fused_store(dtype, representable=False)
 
 
+# Head dims: the value tiles' column order (kernels/paged_attention.py) depends on D.
+@pytest.mark.parametrize("head_dim", [32, 64, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("q_lens,seq_lens", [
     ([5, 33, 1, 70], [5, 33, 1, 70]),  # ragged prompts
     ([1, 20, 1, 9], [37, 60, 100, 9]),  # decodes beside chunks over cached prefixes
 ])
-def test_mixed_kernel_reads_fp8(dtype: torch.dtype, q_lens: list[int], seq_lens: list[int]) -> None:
+def test_mixed_kernel_reads_fp8(dtype: torch.dtype, q_lens: list[int], seq_lens: list[int], head_dim: int) -> None:
     qsl, lens, table, num_blocks = make_batch(q_lens, seq_lens, 16, share_blocks=1)
-    k_cache, v_cache = fp8_cache(num_blocks, 16, 2, 64)
-    q = random_q(sum(q_lens), 4, 64, dtype)
+    k_cache, v_cache = fp8_cache(num_blocks, 16, 2, head_dim)
+    q = random_q(sum(q_lens), 4, head_dim, dtype)
     out = pa.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, 0.125)
     check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, 0.125), dtype)
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_kernel_reads_fp8(dtype: torch.dtype, num_splits: int) -> None:
+def test_decode_kernel_reads_fp8(dtype: torch.dtype, num_splits: int, head_dim: int) -> None:
     seq_lens = [1, 300, 17, 129]
     qsl, lens, table, num_blocks = make_batch([1] * 4, seq_lens, 16, share_blocks=1)
-    k_cache, v_cache = fp8_cache(num_blocks, 16, 2, 64)
-    q = random_q(4, 8, 64, dtype)
+    k_cache, v_cache = fp8_cache(num_blocks, 16, 2, head_dim)
+    q = random_q(4, 8, head_dim, dtype)
     out = pa.paged_attention_decode(q, k_cache, v_cache, lens, table, 0.125, num_splits)
     check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, 0.125), dtype)
 
@@ -145,10 +148,11 @@ def test_fp8_decode_bands_differ() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_cascade_kernel_reads_fp8(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("suffix_splits", [1, 2])  # own keys merged in their launch, or by the reduce
+def test_cascade_kernel_reads_fp8(dtype: torch.dtype, suffix_splits: int) -> None:
     batch = CascadeBatch([1, 33, 12, 64], 4, 16, 4, 2, 64, dtype, seed=5)
     batch.k_cache, batch.v_cache = (to_cache_dtype(c.float() * 8, FP8) for c in (batch.k_cache, batch.v_cache))
-    check(batch.cascade(prefix_splits=2, suffix_splits=1), batch.reference(), dtype)
+    check(batch.cascade(prefix_splits=2, suffix_splits=suffix_splits), batch.reference(), dtype)
 
 
 @pytest.mark.gpu
@@ -261,17 +265,19 @@ def test_unknown_kv_cache_dtype_is_refused(tiny_model_factory) -> None:
 @triton.jit
 def _widen_kernel(src, dst, ROWS: tl.constexpr, D: tl.constexpr):
     rows = tl.arange(0, ROWS)
-    tile = pa._load_e4m3_as_f16(src, rows * D, rows < ROWS, ROWS, D, False)
+    tile = pa._dim_order(pa._load_e4m3_value_tile(src, rows * D, rows < ROWS, ROWS, D, False), ROWS, D)
     tl.store(dst + rows[:, None] * D + tl.arange(0, D)[None, :], tile)
 
 
-def test_value_tiles_widen_every_e4m3_value_exactly() -> None:
+@pytest.mark.parametrize("rows,head_dim", [(32, 16), (4, 128)])
+def test_value_tiles_widen_every_e4m3_value_exactly(rows: int, head_dim: int) -> None:
     """The value tiles' FP8 -> fp16 widening (4-byte words; bit moves in the interpreter, the
     hardware conversion on a GPU) against torch's, for all 254 e4m3 values but NaN, signed zeros
-    included, in every byte position of a word."""
+    included, in every byte position of a word; the tile's columns put back in order (D=16 has
+    one column group, so its order is the identity; D=128 has eight)."""
     codes = torch.arange(256, dtype=torch.uint8)
     codes = codes[(codes & 0x7F) != 0x7F]  # 0x7F, 0xFF: NaN
-    tile = torch.cat([codes, codes.flip(0), codes[:4]]).view(32, 16).view(FP8).to(DEVICE)  # 512 bytes
-    out = torch.zeros(32, 16, dtype=torch.float16, device=DEVICE)
-    _widen_kernel[(1,)](tile, out, 32, 16)
+    tile = torch.cat([codes, codes.flip(0), codes[:4]]).view(rows, head_dim).view(FP8).to(DEVICE)  # 512 bytes
+    out = torch.zeros(rows, head_dim, dtype=torch.float16, device=DEVICE)
+    _widen_kernel[(1,)](tile, out, rows, head_dim)
     assert torch.equal(out.view(torch.int16), tile.to(torch.float16).view(torch.int16))

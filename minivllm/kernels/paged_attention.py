@@ -71,7 +71,7 @@ def _e4m3_bits_to_f16(b):
 
 
 @triton.jit
-def _load_e4m3_as_f16(ptr, row_offs, row_valid, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr):
+def _load_e4m3_value_tile(ptr, row_offs, row_valid, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr):
     """A [ROWS, HEAD_DIM] tile of an FP8 (e4m3) cache, rows at element offsets row_offs,
     widened to fp16. For the value tile of P @ V: the dot reads V along its rows, and
     Hopper has no transposing shared-memory load for 8-bit data, so a plain fp8 load would
@@ -108,20 +108,22 @@ def _load_e4m3_as_f16(ptr, row_offs, row_valid, ROWS: tl.constexpr, HEAD_DIM: tl
     v = _value_column_order(tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (ROWS, HEAD_DIM)), ROWS, HEAD_DIM)
     if INTERPRETED:
         return v
-    # Triton picks the P @ V dot's operand layout from what its inputs were loaded as, and
-    # takes the joins above for a sub-16-bit load: its kWidth would be 4, whose transposing
-    # loads of this tile conflict in shared memory (two wavefronts each instead of one). An
-    # impure identity hides the chain, and the dot takes the plain fp16 layout (kWidth 2).
+    # Triton picks a mma.sync dot's operand layout (the decode kernels') from what its inputs
+    # were loaded as, and takes the joins above for a sub-16-bit load: the P @ V dot's kWidth
+    # would be 4, whose transposing loads of this tile conflicted in shared memory (two
+    # wavefronts each instead of one, under ncu). An impure identity hides the chain, and the
+    # dot takes the plain fp16 layout (kWidth 2); ptxas drops the mov.
     return tl.inline_asm_elementwise(asm="mov.b32 $0, $1;", constraints="=r,r", args=[v], dtype=tl.float16,
                                      is_pure=False, pack=2)
 
 
 @triton.jit
 def _value_column_order(x, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """x's columns reordered: d = 16 j + 8 h + e goes to 64 h + 8 j + e (HEAD_DIM // 16 groups j
-    of two halves h). A thread holds 16 consecutive columns of a widened FP8 tile, so stored
-    as it is, the first 16-byte stores of 8 neighbouring threads would hit every other
-    16-byte bank group twice; reordered, they hit each group once. _dim_order undoes it."""
+    """x's columns reordered: d = 16 j + 8 h + e goes to (HEAD_DIM / 2) h + 8 j + e (HEAD_DIM // 16
+    groups j of two halves h). A thread holds 16 consecutive columns of a widened FP8 tile;
+    stored as they are, the first 16-byte stores of 8 neighbouring threads would meet only
+    every other 16-byte bank group, each twice (seen under ncu at D=128: 2-way conflicts);
+    reordered, they meet each once. _dim_order undoes it."""
     return tl.reshape(tl.permute(tl.reshape(x, (ROWS, HEAD_DIM // 16, 2, 8)), (0, 2, 1, 3)), (ROWS, HEAD_DIM))
 
 
@@ -190,7 +192,7 @@ def _attend_kv_tiles(
         m_i = m_new
 
         if v_cache_ptr.dtype.element_ty == tl.float8e4nv:
-            v = _load_e4m3_as_f16(v_cache_ptr, kv_offs, kv_valid, BLOCK_N, HEAD_DIM, MASK_KV).to(q.dtype)
+            v = _load_e4m3_value_tile(v_cache_ptr, kv_offs, kv_valid, BLOCK_N, HEAD_DIM, MASK_KV).to(q.dtype)
         else:
             if MASK_KV:
                 v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_valid[:, None], other=0.0)
@@ -504,6 +506,8 @@ def _own_keys_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if v_cache_ptr.dtype.element_ty == tl.float8e4nv:  # value tiles come in _value_column_order
+        acc = _value_column_order(acc, BLOCK_M, HEAD_DIM)
     for t in range(first_tile, last_tile):
         offs_n = t * BLOCK_N + col_token
         valid = offs_n < kv_len
@@ -519,11 +523,11 @@ def _own_keys_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
         if v_cache_ptr.dtype.element_ty == tl.float8e4nv:
-            v = _load_e4m3_as_f16(v_cache_ptr, kv_offs, valid, HEADS * BLOCK_N, HEAD_DIM, True).to(DOT_DTYPE)
+            v = _load_e4m3_value_tile(v_cache_ptr, kv_offs, valid, HEADS * BLOCK_N, HEAD_DIM, True).to(DOT_DTYPE)
         else:
             v = tl.load(v_cache_ptr + kv_ptrs, mask=valid[:, None], other=0.0).to(DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
-    if v_cache_ptr.dtype.element_ty == tl.float8e4nv:  # acc started at zeros, in any column order
+    if v_cache_ptr.dtype.element_ty == tl.float8e4nv:
         acc = _dim_order(acc, BLOCK_M, HEAD_DIM)
 
     empty = l_i == 0.0  # no own keys in this split (or a padded row): no weight in the merge
