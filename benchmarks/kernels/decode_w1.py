@@ -16,7 +16,9 @@ key tiles (BLOCK_N) of half and twice decode_config's; (--tiles) any tiles, each
 BLOCK_N/num_stages/num_warps, launched as the engine launches. --kv-cache-dtype fp8: the cache
 in float8 e4m3 (half the bytes; bandwidth is still bytes read / time). The summary ends with
 each step's fastest launch (the admission order aside) and their total: what choosing tiles
-by batch size (decode_config's num_seqs) could reach with these variants.
+by batch size (decode_config's num_seqs) could reach with these variants. Every launch's output
+is checked against torch's attention over the same pages: a variant off by more than
+MAX_ERROR is marked WRONG and never counts as a step's fastest.
 
     python -m benchmarks.kernels.decode_w1 [--every 32] [--sweep] [--kv-cache-dtype fp8] [--tiles 64/3/2 ...]
 """
@@ -41,6 +43,7 @@ HQ, HKV, D, BLOCK = 16, 8, 128, 16
 DTYPE = torch.bfloat16
 MIN_BYTES_PER_TIMING = 256e6  # several times the 50 MB L2
 MAX_NUM_SEQS = 256
+MAX_ERROR = 0.05  # largest max_error a launch may show (right ones: ~0.01 on this data; a layout bug: ~1-100)
 
 
 def w1_decode_batches(every: int) -> list[tuple[int, list[int]]]:
@@ -68,10 +71,29 @@ def build_layers(seq_lens: list[int], gen: random.Random, kv_dtype: torch.dtype)
     return layers
 
 
+def max_error(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              table: torch.Tensor, lens: list[int]) -> float:
+    """The largest |out - reference| / (|reference| + 0.01) over the batch: each row's
+    attention recomputed in fp32 by torch over the same pages (an FP8 cache's values as
+    stored). Relative, as bf16 rounds each output to within 0.4 % of it."""
+    worst = 0.0
+    for row, num_keys in enumerate(lens):
+        if num_keys == 0:  # a padded row
+            continue
+        blocks = table[row, :triton.cdiv(num_keys, BLOCK)]
+        k, v = ((cache[blocks].flatten(0, 1)[:num_keys].float()  # [keys, Hkv, D] -> [Hq, keys, D]
+                 .repeat_interleave(HQ // HKV, dim=1).transpose(0, 1)) for cache in (k_cache, v_cache))
+        want = torch.nn.functional.scaled_dot_product_attention(q[row].float()[:, None], k, v, scale=D ** -0.5)
+        worst = max(worst, ((out[row].float() - want[:, 0]).abs() / (want[:, 0].abs() + 0.01)).max().item())
+    return worst
+
+
 def time_variant(seq_lens: list[int], padded: int, num_splits: int, gen: random.Random,
-                 kv_dtype: torch.dtype, config: dict | None) -> float:
+                 kv_dtype: torch.dtype, config: dict | None) -> tuple[float, float]:
     """Seconds per layer of the decode launch (split kernel + reduce) over seq_lens padded
-    with empty rows to `padded`, timed inside a CUDA graph; config: decode_config's, if None."""
+    with empty rows to `padded`, timed inside a CUDA graph, and the launch's max_error (so a
+    tile variant's time never comes without a check of its output); config: decode_config's,
+    if None."""
     lens = seq_lens + [0] * (padded - len(seq_lens))
     layers = build_layers([max(1, s) for s in lens], gen, kv_dtype)
     lens_dev = torch.tensor(lens, dtype=torch.int32, device="cuda")
@@ -85,7 +107,9 @@ def time_variant(seq_lens: list[int], padded: int, num_splits: int, gen: random.
             pa.paged_attention_decode(q, k_cache, v_cache, lens_dev, table, D ** -0.5, num_splits,
                                       out=out, part_out=part_out, part_lse=part_lse, config=config)
     step()
-    return triton.testing.do_bench_cudagraph(step, rep=60, return_mode="median") * 1e-3 / len(layers)
+    error = max_error(q, out, *layers[-1], lens)  # out holds the last layer's result
+    seconds = triton.testing.do_bench_cudagraph(step, rep=60, return_mode="median") * 1e-3 / len(layers)
+    return seconds, error
 
 
 # A variant: (context lengths in admission order, padded batch, engine split count) ->
@@ -133,6 +157,7 @@ def run(every: int, chosen: dict[str, Variant], kv_dtype: torch.dtype) -> None:
     sizes = graph_batch_sizes(MAX_NUM_SEQS)
     kv_bytes_per_token = 28 * kv_bytes(1, kv_dtype)  # the whole model's K and V, per cached token
     totals = dict.fromkeys(chosen, 0.0)
+    worst_error = dict.fromkeys(chosen, 0.0)
     best_total = 0.0  # each step at its fastest variant launched longest first: what a per-batch choice could reach
     winners: list[str] = []
     ideal = 0.0
@@ -144,21 +169,30 @@ def run(every: int, chosen: dict[str, Variant], kv_dtype: torch.dtype) -> None:
         layer_bytes = kv_bytes(sum(seq_lens), kv_dtype)
         cells = []
         times = {}
+        right = set()  # the variants whose output passed max_error this step
         for name, variant in chosen.items():
             lens, num_splits, config = variant(seq_lens, padded, splits)
-            times[name] = seconds = time_variant(lens, padded, num_splits, gen, kv_dtype, config)
+            seconds, error = time_variant(lens, padded, num_splits, gen, kv_dtype, config)
+            times[name] = seconds
             totals[name] += seconds * 28 * every  # 28 layers; this step stands for `every` steps
-            cells.append(f"{name} {seconds * 1e6:6.1f} us {layer_bytes / seconds / 1e12:4.2f} TB/s ({num_splits})")
-        fastest = min((name for name in times if name != ADMISSION_ORDER), key=times.__getitem__)
-        best_total += times[fastest] * 28 * every
-        winners.append(f"graph {padded:3d}: {fastest} ({times[fastest] * 1e6:.1f} us)")
+            worst_error[name] = max(worst_error[name], error)
+            if error <= MAX_ERROR:
+                right.add(name)
+            flag = "" if error <= MAX_ERROR else f" WRONG (max_error {error:.3g})"
+            cells.append(f"{name} {seconds * 1e6:6.1f} us {layer_bytes / seconds / 1e12:4.2f} TB/s ({num_splits}){flag}")
+        fastest = min((name for name in right if name != ADMISSION_ORDER), key=times.__getitem__, default=None)
+        if fastest is None:  # every launch wrong: the total below then leaves this step out
+            winners.append(f"graph {padded:3d}: none right")
+        else:
+            best_total += times[fastest] * 28 * every
+            winners.append(f"graph {padded:3d}: {fastest} ({times[fastest] * 1e6:.1f} us)")
         ideal += sum(seq_lens) * kv_bytes_per_token * every
         print(f"step {step:4d} batch {len(seq_lens):3d} (graph {padded:3d}) ctx mean {sum(seq_lens) / len(seq_lens):5.0f} "
               f"max {max(seq_lens):5d}: " + " | ".join(cells), flush=True)
     print(f"\nW1 decode attention, estimated from these steps (28 layers; BENCH.md's floor reads "
           f"{ideal / 1e12:.2f} TB, {ideal / 4.24e12:.2f} s at 4.24 TB/s):")
     for name, seconds in totals.items():
-        print(f"  {name:32s} {seconds:6.3f} s  ({ideal / seconds / 1e12:.2f} TB/s)")
+        print(f"  {name:32s} {seconds:6.3f} s  ({ideal / seconds / 1e12:.2f} TB/s; max_error {worst_error[name]:.2g})")
     print(f"  {'each step its fastest':32s} {best_total:6.3f} s  ({ideal / best_total / 1e12:.2f} TB/s): "
           + "; ".join(winners))
 
