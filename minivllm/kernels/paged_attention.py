@@ -110,8 +110,8 @@ def _load_e4m3_value_tile(ptr, row_offs, row_valid, ROWS: tl.constexpr, HEAD_DIM
         return v
     # Triton picks a mma.sync dot's operand layout (the decode kernels') from what its inputs
     # were loaded as, and takes the joins above for a sub-16-bit load: the P @ V dot's kWidth
-    # would be 4, whose transposing loads of this tile conflicted in shared memory (two
-    # wavefronts each instead of one, under ncu). An impure identity hides the chain, and the
+    # would be 4, whose transposing loads of this tile conflict in shared memory (two
+    # wavefronts each instead of one). An impure identity hides the chain, and the
     # dot takes the plain fp16 layout (kWidth 2); ptxas drops the mov.
     return tl.inline_asm_elementwise(asm="mov.b32 $0, $1;", constraints="=r,r", args=[v], dtype=tl.float16,
                                      is_pure=False, pack=2)
@@ -122,8 +122,8 @@ def _value_column_order(x, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """x's columns reordered: d = 16 j + 8 h + e goes to (HEAD_DIM / 2) h + 8 j + e (HEAD_DIM // 16
     groups j of two halves h). A thread holds 16 consecutive columns of a widened FP8 tile;
     stored as they are, the first 16-byte stores of 8 neighbouring threads would meet only
-    every other 16-byte bank group, each twice (seen under ncu at D=128: 2-way conflicts);
-    reordered, they meet each once. _dim_order undoes it."""
+    every other 16-byte bank group, each twice (2-way bank conflicts); reordered, they meet
+    each once. _dim_order undoes it."""
     return tl.reshape(tl.permute(tl.reshape(x, (ROWS, HEAD_DIM // 16, 2, 8)), (0, 2, 1, 3)), (ROWS, HEAD_DIM))
 
 
