@@ -125,12 +125,12 @@ def test_decode_kernel_reads_fp8(dtype: torch.dtype, num_splits: int, head_dim: 
 
 def fp8_decode_bands() -> list[int]:
     """A batch size in each of decode_config's FP8 tile bands."""
-    return [pa.FP8_DECODE_MID_TILE_MIN_SEQS - 1, pa.FP8_DECODE_MID_TILE_MIN_SEQS, pa.FP8_DECODE_ONE_WARP_MIN_SEQS]
+    return [pa.FP8_DECODE_ONE_WARP_MIN_SEQS - 1, pa.FP8_DECODE_ONE_WARP_MIN_SEQS]
 
 
 @pytest.mark.parametrize("num_seqs", fp8_decode_bands())
 def test_decode_tiles_by_batch_size_read_fp8(num_seqs: int) -> None:
-    """Each FP8 band's tiles (128 keys / 4 warps, 64 / 2, 32 / 1: decode_config) over a
+    """Each FP8 band's tiles (128 keys / 4 warps, 32 / 1: decode_config) over a
     D=128 cache; the interpreter runs the tile shapes, not the warps."""
     config = pa.decode_config(128, torch.bfloat16, FP8, num_seqs)
     seq_lens = [1, 300, 17, 129]
@@ -144,7 +144,7 @@ def test_decode_tiles_by_batch_size_read_fp8(num_seqs: int) -> None:
 def test_fp8_decode_bands_differ() -> None:
     tiles = {(c["BLOCK_N"], c["num_warps"]) for c in
              (pa.decode_config(128, torch.bfloat16, FP8, n) for n in fp8_decode_bands())}
-    assert tiles == {(128, 4), (64, 2), (32, 1)}
+    assert tiles == {(128, 4), (32, 1)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -717,8 +717,7 @@ DECODE_MAX_SPLITS = 32
 
 # The batch sizes at which decode_config's tiles change.
 DECODE_SHORT_TILE_MIN_SEQS = 160
-FP8_DECODE_MID_TILE_MIN_SEQS = 128
-FP8_DECODE_ONE_WARP_MIN_SEQS = 176
+FP8_DECODE_ONE_WARP_MIN_SEQS = 128
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, num_seqs: int) -> dict:
@@ -732,17 +731,18 @@ def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, n
     instructions per byte (the widening), so there one warp, free of cross-warp reductions,
     is fastest. A 16-bit cache: 128-key tiles, two stages, 4 warps; from
     DECODE_SHORT_TILE_MIN_SEQS sequences 64-key tiles with 2 warps. An FP8 cache: 128-key
-    tiles, three stages, 4 warps; 64-key tiles with 2 warps from
-    FP8_DECODE_MID_TILE_MIN_SEQS; 32-key tiles with one warp from
-    FP8_DECODE_ONE_WARP_MIN_SEQS. One sequence over a 16-bit cache (W2's step, timed in
-    benchmarks/latency.py rather than alone: its layer is a chain of small dependent kernels)
-    takes 64-key tiles with 2 warps, so its splits are one short tile each. Rows over 256
+    tiles, three stages, 4 warps; from FP8_DECODE_ONE_WARP_MIN_SEQS 32-key tiles with one
+    warp and five stages. (Triton shares a loop's stages between the block-table load and
+    the K/V loads whose addresses it gives: up to four stages leave K and V one buffer, so a
+    tile's loads start only after the previous tile's math; five give them two, and the next
+    tile's loads fly during this one's math, which the one-warp FP8 program needs.) One
+    sequence over a 16-bit cache (W2's step, timed in benchmarks/latency.py rather than
+    alone: its layer is a chain of small dependent kernels) takes 64-key tiles with 2 warps,
+    so its splits are one short tile each. Rows over 256
     bytes (D=256, or fp32 at D=128) keep 16 KB K/V tiles (not re-tuned)."""
     if cache_dtype == torch.float8_e4m3fn and head_dim <= 128:
         if num_seqs >= FP8_DECODE_ONE_WARP_MIN_SEQS:
-            return dict(BLOCK_N=32, num_warps=1, num_stages=3)
-        if num_seqs >= FP8_DECODE_MID_TILE_MIN_SEQS:
-            return dict(BLOCK_N=64, num_warps=2, num_stages=3)
+            return dict(BLOCK_N=32, num_warps=1, num_stages=5)
         return dict(BLOCK_N=128, num_warps=4, num_stages=3)
     row_bytes = head_dim * dtype.itemsize
     if row_bytes <= 256:
