@@ -738,8 +738,8 @@ def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, n
     tile's loads fly during this one's math, which the one-warp FP8 program needs.) One
     sequence over a 16-bit cache (W2's step, timed in benchmarks/latency.py rather than
     alone: its layer is a chain of small dependent kernels) takes 64-key tiles with 2 warps,
-    so its splits are one short tile each. Rows over 256
-    bytes (D=256, or fp32 at D=128) keep 16 KB K/V tiles (not re-tuned)."""
+    so its splits are one short tile each. Query rows over 256 bytes (D=256, or fp32 at
+    D=128) keep tiles of 16 KB of keys in q's dtype (not re-tuned; 8 KB read from an FP8 cache)."""
     if cache_dtype == torch.float8_e4m3fn and head_dim <= 128:
         if num_seqs >= FP8_DECODE_ONE_WARP_MIN_SEQS:
             return dict(BLOCK_N=32, num_warps=1, num_stages=5)
