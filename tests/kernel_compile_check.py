@@ -133,7 +133,7 @@ def engine_calls() -> dict[str, Callable[[], Any]]:
     positions = torch.arange(45)
     cos_sin = torch.zeros(4096, 2, d)
     calls: dict[str, Callable[[], Any]] = {}
-    decode_tile_batches = (paged_attention.DECODE_SHORT_TILE_MIN_SEQS, paged_attention.FP8_DECODE_ONE_WARP_MIN_SEQS)
+    decode_tile_batches = (paged_attention.DECODE_SHORT_TILE_MIN_SEQS,)
     for cache_name, cache_dtype in (("bf16 cache", bf16), ("fp8 cache", torch.float8_e4m3fn)):
         k_cache = torch.zeros(num_blocks, block_size, hkv, d, dtype=cache_dtype)
         v_cache = torch.zeros_like(k_cache)

@@ -123,16 +123,10 @@ def test_decode_kernel_reads_fp8(dtype: torch.dtype, num_splits: int, head_dim: 
     check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, 0.125), dtype)
 
 
-def fp8_decode_bands() -> list[int]:
-    """A batch size in each of decode_config's FP8 tile bands."""
-    return [pa.FP8_DECODE_ONE_WARP_MIN_SEQS - 1, pa.FP8_DECODE_ONE_WARP_MIN_SEQS]
-
-
-@pytest.mark.parametrize("num_seqs", fp8_decode_bands())
-def test_decode_tiles_by_batch_size_read_fp8(num_seqs: int) -> None:
-    """Each FP8 band's tiles (128 keys / 4 warps, 32 / 1: decode_config) over a
-    D=128 cache; the interpreter runs the tile shapes, not the warps."""
-    config = pa.decode_config(128, torch.bfloat16, FP8, num_seqs)
+def test_decode_tiles_read_fp8() -> None:
+    """decode_config's FP8 tiles (32 keys, one warp, five stages) over a D=128 cache; the
+    interpreter runs the tile shapes, not the warps or stages."""
+    config = pa.decode_config(128, torch.bfloat16, FP8, 64)
     seq_lens = [1, 300, 17, 129]
     qsl, lens, table, num_blocks = make_batch([1] * 4, seq_lens, 16, share_blocks=1)
     k_cache, v_cache = fp8_cache(num_blocks, 16, 2, 128)
@@ -141,10 +135,14 @@ def test_decode_tiles_by_batch_size_read_fp8(num_seqs: int) -> None:
     check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, 0.1), torch.float16)
 
 
-def test_fp8_decode_bands_differ() -> None:
-    tiles = {(c["BLOCK_N"], c["num_warps"]) for c in
-             (pa.decode_config(128, torch.bfloat16, FP8, n) for n in fp8_decode_bands())}
-    assert tiles == {(128, 4), (32, 1)}
+def test_fp8_decode_splits_fill_the_sms_with_one_warp_programs() -> None:
+    """The FP8 tiles are one warp each, so a launch aims for more of them per SM than for the
+    16-bit tiles: at 64 sequences (512 contexts on 132 SMs) those split every context in two."""
+    fp8 = pa.decode_config(128, torch.bfloat16, FP8, 64)
+    bf16 = pa.decode_config(128, torch.bfloat16, torch.bfloat16, 64)
+    assert (fp8["BLOCK_N"], fp8["num_warps"]) == (32, 1) and fp8["programs_per_sm"] > bf16["programs_per_sm"]
+    splits = [pa.decode_num_splits(64, 8, 4096, 132, programs_per_sm=c["programs_per_sm"]) for c in (fp8, bf16)]
+    assert splits == [2, 1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -157,10 +155,10 @@ def test_cascade_kernel_reads_fp8(dtype: torch.dtype, suffix_splits: int) -> Non
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("decode,num_seqs", [(False, 48), (True, 48)] + [(True, n) for n in fp8_decode_bands()])
+@pytest.mark.parametrize("decode,num_seqs", [(False, 48), (True, 1), (True, 48), (True, 128)])
 def test_gpu_bf16_queries_over_fp8_cache(decode: bool, num_seqs: int) -> None:
     """Qwen3-like heads (16 q / 8 kv, D 128), contexts up to 4k, bf16 queries; decode
-    batches in each of decode_config's FP8 tile bands."""
+    batches of one, some and many sequences."""
     gen = random.Random(5)
     seq_lens = [gen.randint(1, 4096) for _ in range(num_seqs)]
     q_lens = [1] * num_seqs if decode else [1] * 40 + [min(n, 300) for n in seq_lens[40:]]

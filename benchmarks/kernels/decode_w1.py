@@ -13,7 +13,9 @@ Variants: the engine's launch (the batch longest first, as the runner orders dec
 starts programs roughly in launch order, so no long context starts last and sets the launch's
 tail); the batch in admission order; (--sweep) half and twice the engine's split count, and
 key tiles (BLOCK_N) of half and twice decode_config's; (--tiles) any tiles, each as
-BLOCK_N/num_stages/num_warps, launched as the engine launches. --kv-cache-dtype fp8: the cache
+BLOCK_N/num_stages/num_warps, launched as the engine launches, or as
+BLOCK_N/num_stages/num_warps/programs_per_sm with the split count that aims at that many
+programs an SM (the engine aims at DECODE_PROGRAMS_PER_SM whatever the tile). --kv-cache-dtype fp8: the cache
 in float8 e4m3 (half the bytes; bandwidth is still bytes read / time). The summary ends with
 each step's fastest launch (the admission order aside) and their total: what choosing tiles
 by batch size (decode_config's num_seqs) could reach with these variants. Every launch's output
@@ -38,7 +40,7 @@ from minivllm.attention.metadata import AttentionMetadata
 from minivllm.attention.torch_backend import TorchAttentionBackend, to_cache_dtype
 from minivllm.executor.cuda_graphs import graph_batch_sizes
 from minivllm.kernels import paged_attention as pa
-from minivllm.kernels import sm_count
+from minivllm.kernels import sm_count, split_count
 
 HQ, HKV, D, BLOCK = 16, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -118,10 +120,19 @@ def time_variant(seq_lens: list[int], padded: int, num_splits: int, gen: random.
 Variant = Callable[[list[int], int, int], tuple[list[int], int, dict[str, Any] | None]]
 
 
-def tile_config(spec: str) -> dict[str, Any]:
-    """A --tiles entry, BLOCK_N/num_stages/num_warps, as a decode tile config."""
-    block_n, stages, warps = (int(part) for part in spec.split("/"))
-    return dict(BLOCK_N=block_n, num_stages=stages, num_warps=warps)
+def tile_variant(spec: str) -> Variant:
+    """A --tiles entry, BLOCK_N/num_stages/num_warps[/programs per SM], as a launch longest
+    first: the engine's split count, or the one that aims at that many programs an SM."""
+    block_n, stages, warps, *programs_per_sm = (int(part) for part in spec.split("/"))
+    config = dict(BLOCK_N=block_n, num_stages=stages, num_warps=warps)
+    sms = sm_count(torch.device("cuda"))
+
+    def launch(lens: list[int], padded: int, splits: int) -> tuple[list[int], int, dict[str, Any]]:
+        if programs_per_sm:
+            splits = split_count(programs_per_sm[0] * sms, padded * HKV, DEFAULT_MAX_MODEL_LEN,
+                                 pa.DECODE_MIN_TOKENS_PER_SPLIT, pa.DECODE_MAX_SPLITS)
+        return sorted(lens, reverse=True), splits, config
+    return launch
 
 
 ADMISSION_ORDER = "admission order"  # the one variant that is not a launch the engine could choose
@@ -146,8 +157,7 @@ def variants(sweep: bool, kv_dtype: torch.dtype, tiles: list[str]) -> dict[str, 
                 return longest_first(lens), splits, engine_config | {"BLOCK_N": int(engine_config["BLOCK_N"] * factor)}
             chosen[f"longest first, BLOCK_N {label}"] = scaled_tiles
     for spec in tiles:
-        chosen[f"tiles {spec}"] = (
-            lambda lens, padded, splits, config=tile_config(spec): (longest_first(lens), splits, config))
+        chosen[f"tiles {spec}"] = tile_variant(spec)
     return chosen
 
 
@@ -205,8 +215,9 @@ def main() -> None:
                         help="also time half and twice the engine's split count and key tile")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="'fp8': the cache in float8 e4m3 ('auto': bf16, the queries' dtype)")
-    parser.add_argument("--tiles", nargs="*", default=[], metavar="BLOCK_N/STAGES/WARPS",
-                        help="also time these decode tiles (the engine's order and split counts)")
+    parser.add_argument("--tiles", nargs="*", default=[], metavar="BLOCK_N/STAGES/WARPS[/PROGRAMS_PER_SM]",
+                        help="also time these decode tiles, longest first, with the engine's split counts "
+                             "or those that aim at PROGRAMS_PER_SM programs an SM")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_w1.py needs a CUDA GPU")

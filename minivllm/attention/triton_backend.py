@@ -34,6 +34,8 @@ from minivllm.attention.metadata import AttentionMetadata
 from minivllm.kernels import cdiv, next_power_of_2, sm_count
 from minivllm.kernels.paged_attention import (
     DECODE_MAX_SPLITS,
+    MOST_DECODE_PROGRAMS_PER_SM,
+    decode_config,
     decode_num_splits,
     paged_attention_decode,
     paged_attention_decode_shared_prefix,
@@ -78,13 +80,15 @@ class TritonAttentionBackend:
         if None not in (num_q_heads, num_kv_heads, head_dim, max_num_seqs):
             device = torch.device(device if device is not None else "cuda")
             num_sms = self._sm_count(device)
-            # Over all batch sizes the split heuristic can see (max_seq_len unbounded),
-            # the largest batch * splits product bounds every decode step's workspace.
+            # Over all batch sizes the split heuristic can see (max_seq_len unbounded, the
+            # most programs per SM any decode tiles aim for), the largest batch * splits
+            # product bounds every decode step's workspace.
             # A cascade step adds the prefix splits, most with the fewest row tiles: tiles of
             # 128 rows, the largest shared_prefix_config() picks.
             gqa = num_q_heads // num_kv_heads
             rows = max(
-                b * (decode_num_splits(b, num_kv_heads, 1 << 30, num_sms, max_splits)
+                b * (decode_num_splits(b, num_kv_heads, 1 << 30, num_sms, max_splits,
+                                       MOST_DECODE_PROGRAMS_PER_SM)
                      + shared_prefix_num_splits(cdiv(b * gqa, 128), num_kv_heads, 1 << 30, num_sms,
                                                 max_splits))
                 for b in range(1, max_num_seqs + 1)
@@ -129,14 +133,15 @@ class TritonAttentionBackend:
             return self._decode_shared_prefix(q, k_cache, v_cache, seq_lens, block_tables, max_seq_len,
                                               num_shared_prefix_blocks, scale, out)
         num_seqs, num_q_heads, head_dim = q.shape
-        num_splits = decode_num_splits(
-            num_seqs, k_cache.shape[2], max_seq_len, self._sm_count(q.device), self.max_splits)
+        config = decode_config(head_dim, q.dtype, k_cache.dtype, num_seqs)
+        num_splits = decode_num_splits(num_seqs, k_cache.shape[2], max_seq_len, self._sm_count(q.device),
+                                       self.max_splits, config["programs_per_sm"])
         part_out = part_lse = None
         if num_splits > 1:
             part_out, part_lse = self._workspace(num_seqs * num_q_heads * num_splits, head_dim, q.device)
         return paged_attention_decode(
             q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits,
-            out=out, part_out=part_out, part_lse=part_lse)
+            out=out, part_out=part_out, part_lse=part_lse, config=config)
 
     def _decode_shared_prefix(self, q, k_cache, v_cache, seq_lens, block_tables, max_seq_len,
                               num_shared_prefix_blocks, scale, out):

@@ -708,50 +708,54 @@ def paged_attention_mixed(
 
 
 # Split-KV heuristic, tuned on an H200 (benchmarks/kernels/attention_kernels.py --sweep, and
-# W1's decode batches in benchmarks/kernels/decode_w1.py): aiming for 3 programs per SM beats
-# aiming for 6 on W1 (an extra split costs more than the short launch tail it removes).
-DECODE_PROGRAMS_PER_SM = 3  # aim for this many (seq, kv head, split) programs per SM
+# W1's decode batches in benchmarks/kernels/decode_w1.py): a launch aims for as many
+# (seq, kv head, split) programs per SM as decode_config's tiles say. For multi-warp tiles
+# 3 beats 6 on W1 (an extra split costs more than the short launch tail it removes); the FP8
+# one-warp tile aims for the 7 that fit on an SM (by shared memory), as each is one warp.
+DECODE_PROGRAMS_PER_SM = 3
+FP8_DECODE_ONE_WARP_PROGRAMS_PER_SM = 7
+MOST_DECODE_PROGRAMS_PER_SM = max(DECODE_PROGRAMS_PER_SM, FP8_DECODE_ONE_WARP_PROGRAMS_PER_SM)
 DECODE_MIN_TOKENS_PER_SPLIT = 128  # a split shorter than this costs more than it saves
 DECODE_MAX_SPLITS = 32
 
 
-# The batch sizes at which decode_config's tiles change.
+# The batch size from which decode_config's 16-bit tiles change.
 DECODE_SHORT_TILE_MIN_SEQS = 160
-FP8_DECODE_ONE_WARP_MIN_SEQS = 128
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, num_seqs: int) -> dict:
     """Tile sizes for the split-KV decode kernel (memory-bound: K/V tiles in flight matter),
-    for a batch of num_seqs queries of `dtype` over a cache of `cache_dtype`.
+    for a batch of num_seqs queries of `dtype` over a cache of `cache_dtype`, and how many
+    programs a launch aims to have per SM (programs_per_sm, for decode_num_splits).
 
-    Tuned for D=128 on an H200 over W1's decode batches (benchmarks/kernels/decode_w1.py),
-    per batch size: with few sequences (several splits per context, or few programs per SM)
-    bigger tiles keep more bytes in flight per program; with many (every context in one
-    split, several programs per SM) smaller programs do, and an FP8 tile costs more
-    instructions per byte (the widening), so there one warp, free of cross-warp reductions,
-    is fastest. A 16-bit cache: 128-key tiles, two stages, 4 warps; from
-    DECODE_SHORT_TILE_MIN_SEQS sequences 64-key tiles with 2 warps. An FP8 cache: 128-key
-    tiles, three stages, 4 warps; from FP8_DECODE_ONE_WARP_MIN_SEQS 32-key tiles with one
-    warp and five stages. (Triton shares a loop's stages between the block-table load and
-    the K/V loads whose addresses it gives: up to four stages leave K and V one buffer, so a
-    tile's loads start only after the previous tile's math; five give them two, and the next
-    tile's loads fly during this one's math, which the one-warp FP8 program needs.) One
-    sequence over a 16-bit cache (W2's step, timed in benchmarks/latency.py rather than
-    alone: its layer is a chain of small dependent kernels) takes 64-key tiles with 2 warps,
-    so its splits are one short tile each. Query rows over 256 bytes (D=256, or fp32 at
-    D=128) keep tiles of 16 KB of keys in q's dtype (not re-tuned; 8 KB read from an FP8 cache)."""
+    Tuned for D=128 on an H200 over W1's decode batches (benchmarks/kernels/decode_w1.py).
+    A 16-bit cache, per batch size: with few sequences (several splits per context, or few
+    programs per SM) bigger tiles keep more bytes in flight per program; with many (every
+    context in one split, several programs per SM) smaller programs do. So 128-key tiles,
+    two stages, 4 warps; from DECODE_SHORT_TILE_MIN_SEQS sequences 64-key tiles with 2 warps.
+    An FP8 cache: an FP8 tile costs more instructions per byte (the widening), so one warp,
+    free of cross-warp reductions, with 32-key tiles and five stages is fastest at every W1
+    batch size, its splits chosen to fill an SM with them. (Triton shares a loop's stages
+    between the block-table load and the K/V loads whose addresses it gives: up to four
+    stages leave K and V one buffer, so a tile's loads start only after the previous tile's
+    math; five give them two, and the next tile's loads fly during this one's math, which
+    the one-warp FP8 program needs.) One sequence over a 16-bit cache (W2's step, timed in
+    benchmarks/latency.py rather than alone: its layer is a chain of small dependent
+    kernels) takes 64-key tiles with 2 warps, so its splits are one short tile each. Query
+    rows over 256 bytes (D=256, or fp32 at D=128) keep tiles of 16 KB of keys in q's dtype
+    (not re-tuned; 8 KB read from an FP8 cache)."""
     if cache_dtype == torch.float8_e4m3fn and head_dim <= 128:
-        if num_seqs >= FP8_DECODE_ONE_WARP_MIN_SEQS:
-            return dict(BLOCK_N=32, num_warps=1, num_stages=5)
-        return dict(BLOCK_N=128, num_warps=4, num_stages=3)
+        return dict(BLOCK_N=32, num_warps=1, num_stages=5, programs_per_sm=FP8_DECODE_ONE_WARP_PROGRAMS_PER_SM)
     row_bytes = head_dim * dtype.itemsize
-    if row_bytes <= 256:
-        if num_seqs >= DECODE_SHORT_TILE_MIN_SEQS or num_seqs == 1:
-            return dict(BLOCK_N=64, num_warps=2, num_stages=2)
-        return dict(BLOCK_N=128, num_warps=4, num_stages=2)
-    if row_bytes <= 512:
-        return dict(BLOCK_N=32, num_warps=4, num_stages=3)
-    return dict(BLOCK_N=16, num_warps=4, num_stages=2)
+    if row_bytes > 512:
+        tiles = dict(BLOCK_N=16, num_warps=4, num_stages=2)
+    elif row_bytes > 256:
+        tiles = dict(BLOCK_N=32, num_warps=4, num_stages=3)
+    elif num_seqs >= DECODE_SHORT_TILE_MIN_SEQS or num_seqs == 1:
+        tiles = dict(BLOCK_N=64, num_warps=2, num_stages=2)
+    else:
+        tiles = dict(BLOCK_N=128, num_warps=4, num_stages=2)
+    return tiles | {"programs_per_sm": DECODE_PROGRAMS_PER_SM}
 
 
 def decode_num_splits(
@@ -760,12 +764,14 @@ def decode_num_splits(
     max_seq_len: int,
     num_sms: int,
     max_splits: int = DECODE_MAX_SPLITS,
+    programs_per_sm: int = DECODE_PROGRAMS_PER_SM,
 ) -> int:
     """How many programs share one (sequence, KV head) context. Depends only on host
     integers (the batch shape, max_seq_len, the GPU), never on device data, so a captured
-    graph keeps a valid launch. Enough programs to fill the GPU, but no split shorter than
-    DECODE_MIN_TOKENS_PER_SPLIT tokens of max_seq_len."""
-    return split_count(DECODE_PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads, max_seq_len,
+    graph keeps a valid launch. Enough programs to fill the GPU (programs_per_sm of them
+    per SM: decode_config's), but no split shorter than DECODE_MIN_TOKENS_PER_SPLIT tokens
+    of max_seq_len."""
+    return split_count(programs_per_sm * num_sms, num_seqs * num_kv_heads, max_seq_len,
                        DECODE_MIN_TOKENS_PER_SPLIT, max_splits)
 
 
