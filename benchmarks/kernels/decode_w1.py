@@ -15,7 +15,7 @@ tail); the batch in admission order; (--sweep) half and twice the engine's split
 key tiles (BLOCK_N) of half and twice decode_config's; (--tiles) any tiles, each as
 BLOCK_N/num_stages/num_warps, launched as the engine launches, or as
 BLOCK_N/num_stages/num_warps/programs_per_sm with the split count that aims at that many
-programs an SM (the engine aims at DECODE_PROGRAMS_PER_SM whatever the tile). --kv-cache-dtype fp8: the cache
+programs an SM (the engine aims at its decode_config's programs_per_sm). --kv-cache-dtype fp8: the cache
 in float8 e4m3 (half the bytes; bandwidth is still bytes read / time). The summary ends with
 each step's fastest launch (the admission order aside) and their total: what choosing tiles
 by batch size (decode_config's num_seqs) could reach with these variants. Every launch's output
@@ -176,7 +176,8 @@ def run(every: int, chosen: dict[str, Variant], kv_dtype: torch.dtype) -> None:
           f"per-layer times, bandwidth = K+V bytes / time", flush=True)
     for step, seq_lens in w1_decode_batches(every):
         padded = next(s for s in sizes if s >= len(seq_lens))
-        splits = pa.decode_num_splits(padded, HKV, DEFAULT_MAX_MODEL_LEN, sms)  # as the engine's graph
+        splits = pa.decode_num_splits(padded, HKV, DEFAULT_MAX_MODEL_LEN, sms,  # as the engine's graph
+                                      programs_per_sm=pa.decode_config(D, DTYPE, kv_dtype, padded)["programs_per_sm"])
         layer_bytes = kv_bytes(sum(seq_lens), kv_dtype)
         cells = []
         times = {}
