@@ -141,7 +141,7 @@ def test_fp8_decode_splits_fill_the_sms_with_one_warp_programs() -> None:
     fp8 = pa.decode_config(128, torch.bfloat16, FP8, 64)
     bf16 = pa.decode_config(128, torch.bfloat16, torch.bfloat16, 64)
     assert (fp8["BLOCK_N"], fp8["num_warps"]) == (32, 1) and fp8["programs_per_sm"] > bf16["programs_per_sm"]
-    splits = [pa.decode_num_splits(64, 8, 4096, 132, programs_per_sm=c["programs_per_sm"]) for c in (fp8, bf16)]
+    splits = [pa.decode_num_splits(64, 8, 4096, 132, c["programs_per_sm"]) for c in (fp8, bf16)]
     assert splits == [2, 1]
 
 

@@ -196,10 +196,11 @@ def test_decode_short_tiles_for_big_batches_and_one_sequence():
 def test_decode_num_splits():
     # Big batches need no split; small batches with long contexts split up to the cap;
     # short contexts are not over-split.
-    assert paged_attention.decode_num_splits(256, 8, 4096, 132) == 1
-    assert paged_attention.decode_num_splits(1, 8, 4096, 132) == paged_attention.DECODE_MAX_SPLITS
-    assert paged_attention.decode_num_splits(1, 8, 100, 132) == 1
-    assert 1 < paged_attention.decode_num_splits(8, 8, 4096, 132) < paged_attention.DECODE_MAX_SPLITS
+    per_sm = paged_attention.DECODE_PROGRAMS_PER_SM
+    assert paged_attention.decode_num_splits(256, 8, 4096, 132, per_sm) == 1
+    assert paged_attention.decode_num_splits(1, 8, 4096, 132, per_sm) == paged_attention.DECODE_MAX_SPLITS
+    assert paged_attention.decode_num_splits(1, 8, 100, 132, per_sm) == 1
+    assert 1 < paged_attention.decode_num_splits(8, 8, 4096, 132, per_sm) < paged_attention.DECODE_MAX_SPLITS
 
 
 def test_bad_head_dim_is_rejected():

@@ -76,7 +76,8 @@ def main() -> None:
           f"{suffix_tokens / NUM_SEQS:.0f} own tokens (mean); Hq {HQ}, Hkv {HKV}, D {D}, {DTYPE}")
 
     # Plain split-KV decode: every sequence reads its whole context.
-    splits = pa.decode_num_splits(NUM_SEQS, HKV, max(seq_lens), sms)
+    splits = pa.decode_num_splits(NUM_SEQS, HKV, max(seq_lens), sms,
+                                  pa.decode_config(D, DTYPE, k_cache.dtype, NUM_SEQS)["programs_per_sm"])
     plain_out = torch.empty_like(q)
     plain = lambda: pa.paged_attention_decode(
         q, k_cache, v_cache, lens, table, scale, splits, out=plain_out)
@@ -90,7 +91,7 @@ def main() -> None:
     # Cascade: split counts as TritonAttentionBackend picks them, then the sweep's.
     rows = NUM_SEQS * (HQ // HKV)
     default_cfg = pa.shared_prefix_config(D, DTYPE, k_cache.dtype, rows)
-    suffix_splits = pa.decode_num_splits(NUM_SEQS, HKV, max(seq_lens) - PREFIX_LEN, sms)
+    suffix_splits = pa.decode_num_splits(NUM_SEQS, HKV, max(seq_lens) - PREFIX_LEN, sms, pa.DECODE_PROGRAMS_PER_SM)
     prefix_splits = pa.shared_prefix_num_splits(
         triton.cdiv(rows, default_cfg["BLOCK_M"]), HKV, PREFIX_LEN, sms)
     variants = [(default_cfg, prefix_splits, suffix_splits, "default")]

@@ -177,7 +177,7 @@ def run(every: int, chosen: dict[str, Variant], kv_dtype: torch.dtype) -> None:
     for step, seq_lens in w1_decode_batches(every):
         padded = next(s for s in sizes if s >= len(seq_lens))
         splits = pa.decode_num_splits(padded, HKV, DEFAULT_MAX_MODEL_LEN, sms,  # as the engine's graph
-                                      programs_per_sm=pa.decode_config(D, DTYPE, kv_dtype, padded)["programs_per_sm"])
+                                      pa.decode_config(D, DTYPE, kv_dtype, padded)["programs_per_sm"])
         layer_bytes = kv_bytes(sum(seq_lens), kv_dtype)
         cells = []
         times = {}

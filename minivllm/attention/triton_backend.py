@@ -34,6 +34,7 @@ from minivllm.attention.metadata import AttentionMetadata
 from minivllm.kernels import cdiv, next_power_of_2, sm_count
 from minivllm.kernels.paged_attention import (
     DECODE_MAX_SPLITS,
+    DECODE_PROGRAMS_PER_SM,
     MOST_DECODE_PROGRAMS_PER_SM,
     decode_config,
     decode_num_splits,
@@ -87,8 +88,8 @@ class TritonAttentionBackend:
             # 128 rows, the largest shared_prefix_config() picks.
             gqa = num_q_heads // num_kv_heads
             rows = max(
-                b * (decode_num_splits(b, num_kv_heads, 1 << 30, num_sms, max_splits,
-                                       MOST_DECODE_PROGRAMS_PER_SM)
+                b * (decode_num_splits(b, num_kv_heads, 1 << 30, num_sms, MOST_DECODE_PROGRAMS_PER_SM,
+                                       max_splits)
                      + shared_prefix_num_splits(cdiv(b * gqa, 128), num_kv_heads, 1 << 30, num_sms,
                                                 max_splits))
                 for b in range(1, max_num_seqs + 1)
@@ -135,7 +136,7 @@ class TritonAttentionBackend:
         num_seqs, num_q_heads, head_dim = q.shape
         config = decode_config(head_dim, q.dtype, k_cache.dtype, num_seqs)
         num_splits = decode_num_splits(num_seqs, k_cache.shape[2], max_seq_len, self._sm_count(q.device),
-                                       self.max_splits, config["programs_per_sm"])
+                                       config["programs_per_sm"], self.max_splits)
         part_out = part_lse = None
         if num_splits > 1:
             part_out, part_lse = self._workspace(num_seqs * num_q_heads * num_splits, head_dim, q.device)
@@ -156,7 +157,8 @@ class TritonAttentionBackend:
         num_row_tiles = cdiv(num_rows, prefix_cfg["BLOCK_M"])
         prefix_splits = shared_prefix_num_splits(num_row_tiles, num_kv_heads, max_seq_len, num_sms,
                                                  self.max_splits)
-        suffix_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms, self.max_splits)
+        suffix_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms, DECODE_PROGRAMS_PER_SM,
+                                          self.max_splits)  # own-keys programs are 4 warps
         part_out, part_lse = self._workspace(
             num_seqs * num_q_heads * (prefix_splits + suffix_splits), head_dim, q.device)
         return paged_attention_decode_shared_prefix(

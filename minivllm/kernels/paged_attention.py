@@ -763,14 +763,14 @@ def decode_num_splits(
     num_kv_heads: int,
     max_seq_len: int,
     num_sms: int,
+    programs_per_sm: int,
     max_splits: int = DECODE_MAX_SPLITS,
-    programs_per_sm: int = DECODE_PROGRAMS_PER_SM,
 ) -> int:
     """How many programs share one (sequence, KV head) context. Depends only on host
     integers (the batch shape, max_seq_len, the GPU), never on device data, so a captured
     graph keeps a valid launch. Enough programs to fill the GPU (programs_per_sm of them
-    per SM: decode_config's), but no split shorter than DECODE_MIN_TOKENS_PER_SPLIT tokens
-    of max_seq_len."""
+    per SM: the launch's decode_config() says how many), but no split shorter than
+    DECODE_MIN_TOKENS_PER_SPLIT tokens of max_seq_len."""
     return split_count(programs_per_sm * num_sms, num_seqs * num_kv_heads, max_seq_len,
                        DECODE_MIN_TOKENS_PER_SPLIT, max_splits)
 
