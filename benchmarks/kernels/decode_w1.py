@@ -40,7 +40,7 @@ from minivllm.attention.metadata import AttentionMetadata
 from minivllm.attention.torch_backend import TorchAttentionBackend, to_cache_dtype
 from minivllm.executor.cuda_graphs import graph_batch_sizes
 from minivllm.kernels import paged_attention as pa
-from minivllm.kernels import sm_count, split_count
+from minivllm.kernels import sm_count
 
 HQ, HKV, D, BLOCK = 16, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -128,9 +128,8 @@ def tile_variant(spec: str) -> Variant:
     sms = sm_count(torch.device("cuda"))
 
     def launch(lens: list[int], padded: int, splits: int) -> tuple[list[int], int, dict[str, Any]]:
-        if programs_per_sm:
-            splits = split_count(programs_per_sm[0] * sms, padded * HKV, DEFAULT_MAX_MODEL_LEN,
-                                 pa.DECODE_MIN_TOKENS_PER_SPLIT, pa.DECODE_MAX_SPLITS)
+        if programs_per_sm:  # as the engine's graph, aimed at this tile's programs an SM
+            splits = pa.decode_num_splits(padded, HKV, DEFAULT_MAX_MODEL_LEN, sms, programs_per_sm[0])
         return sorted(lens, reverse=True), splits, config
     return launch
 
