@@ -616,6 +616,13 @@ def _check_inputs(q, k_cache, v_cache, block_tables):
 SHORT_PROMPT_TOKENS = 1024
 
 
+def _launch_options(q: torch.Tensor, k_cache: torch.Tensor, cfg: dict) -> dict:
+    """The keyword arguments every attention launch ends with: the dots' dtype and precision,
+    PDL, and the tiles' warps and stages."""
+    return dict(DOT_DTYPE=dot_dtype(q.dtype, k_cache.dtype), DOT_PRECISION=dot_precision(q.dtype),
+                **pdl_options(q.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
 def mixed_config(head_dim: int, dtype: torch.dtype, gqa: int, max_query_len: int | None = None) -> dict:
     """Tile sizes for the mixed kernel: BLOCK_M = BLOCK_Q * GQA_PAD query rows per program.
 
@@ -698,11 +705,7 @@ def paged_attention_mixed(
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
         BLOCK_N=cfg["BLOCK_N"],
-        DOT_DTYPE=dot_dtype(q.dtype, k_cache.dtype),
-        DOT_PRECISION=dot_precision(q.dtype),
-        **pdl_options(q.device),
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        **_launch_options(q, k_cache, cfg),
     )
     return out
 
@@ -890,11 +893,7 @@ def _launch_decode_split(
         BLOCK_SIZE=block_size,
         BLOCK_N=cfg["BLOCK_N"],
         MODE=mode,
-        DOT_DTYPE=dot_dtype(q.dtype, k_cache.dtype),
-        DOT_PRECISION=dot_precision(q.dtype),
-        **pdl_options(q.device),
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        **_launch_options(q, k_cache, cfg),
     )
 
 
@@ -922,11 +921,7 @@ def _launch_own_keys(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_N=cfg["BLOCK_N"],
-        DOT_DTYPE=dot_dtype(q.dtype, k_cache.dtype),
-        DOT_PRECISION=dot_precision(q.dtype),
-        **pdl_options(q.device),
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        **_launch_options(q, k_cache, cfg),
     )
 
 
