@@ -184,6 +184,9 @@ def engine_calls() -> dict[str, Callable[[], Any]]:
     for n, k in ((4096, 1024), (1024, 2048)):  # qkv; o, whose partials the add-RMSNorm sums
         calls[f"batch_matmul {n}x{k}"] = lambda n=n, k=k: batch_matmul.batch_matmul(
             torch.zeros(batch_matmul.MAX_ROWS, k, dtype=bf16), torch.zeros(n, k, dtype=bf16), partial_sums=n == 1024)
+    calls["batch_matmul 1024x2048 (o), 192 rows"] = lambda: batch_matmul.batch_matmul(
+        torch.zeros(batch_matmul.PARTIAL_SUMS_MAX_ROWS, 2048, dtype=bf16), torch.zeros(1024, 2048, dtype=bf16),
+        partial_sums=True)
     calls["batch_matmul_silu_and_mul 6144x1024 (gate_up)"] = lambda: batch_matmul.batch_matmul_silu_and_mul(
         torch.zeros(batch_matmul.MAX_ROWS, hidden, dtype=bf16), torch.zeros(2 * inter, hidden, dtype=bf16))
     experts, top_k, moe_inter = 16, 4, 768  # Qwen3-30B-A3B's expert shapes (fewer experts)

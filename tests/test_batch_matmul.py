@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from minivllm.kernels import SplitKPartials, fused_ops
 from minivllm.kernels import batch_matmul as batch_module
-from minivllm.kernels.batch_matmul import MAX_ROWS, MIN_ROWS, batch_matmul, batch_matmul_config
+from minivllm.kernels.batch_matmul import MAX_ROWS, MIN_ROWS, PARTIAL_SUMS_MAX_ROWS, batch_matmul, batch_matmul_config
 from minivllm.layers.linear import GateUpParallelLinear, linear
 from tests.conftest import DEVICE, requires_cuda, gate_up_silu_and_mul_float64
 
@@ -113,6 +113,25 @@ def test_config_splits_k_evenly_to_fill_the_gpu():
         split = batch_matmul_config(torch.float16, 32, k, cpu, partial_sums=True)["SPLIT_K"]
         tiles = -(-k // 128)
         assert 1 <= split <= min(4, max(1, tiles // 2)) and tiles % split == 0
+    # Past MAX_ROWS rows (partial sums only): 64 features a program and two splits where K has two tiles.
+    wide = batch_matmul_config(torch.float16, 1024, 2048, cpu, partial_sums=True, num_rows=MAX_ROWS + 1)
+    assert (wide["BLOCK_N"], wide["SPLIT_K"]) == (64, 2)
+    assert batch_matmul_config(torch.float16, 1024, 100, cpu, partial_sums=True, num_rows=192)["SPLIT_K"] == 1
+    assert batch_matmul_config(torch.float16, 1024, 2048, cpu, partial_sums=True, num_rows=MAX_ROWS)["BLOCK_N"] == 32
+
+
+@pytest.mark.parametrize("num_rows,n,k", [(MAX_ROWS + 1, 96, 256), (PARTIAL_SUMS_MAX_ROWS, 64, 384), (100, 100, 200)])
+def test_partial_sums_past_one_row_tile(num_rows, n, k):
+    """With partial sums batch_matmul serves up to PARTIAL_SUMS_MAX_ROWS rows in tiles of 64
+    (the last one partly rows past the batch), each split K leaving its own partial sums."""
+    g = torch.Generator().manual_seed(num_rows)
+    x = torch.randn(num_rows, k, generator=g).to(DEVICE)
+    weight = (torch.randn(n, k, generator=g) / 16).to(DEVICE)
+    out = batch_matmul(x, weight, partial_sums=True)
+    got = out.parts.sum(0)[:num_rows] if isinstance(out, SplitKPartials) else out
+    torch.testing.assert_close(got.double(), x.double() @ weight.double().T, atol=1e-4, rtol=1e-4)
+    with pytest.raises(AssertionError, match="at most"):
+        batch_matmul(torch.randn(num_rows, k, device=DEVICE), weight)  # without partial sums: 64 rows at most
 
 
 def test_linear_layers_route_decode_batches_of_chosen_weights(monkeypatch):
@@ -124,15 +143,17 @@ def test_linear_layers_route_decode_batches_of_chosen_weights(monkeypatch):
 
     monkeypatch.setattr(batch_module, "batch_matmul", stand_in)
     weight = torch.randn(8, 16)
-    for rows, chosen in [(MIN_ROWS - 1, True), (MIN_ROWS, True), (MAX_ROWS, True), (MAX_ROWS + 1, True),
-                         (64, False)]:  # chosen=False: cuBLAS serves this weight
+    cases = [(MIN_ROWS - 1, True, False), (MIN_ROWS, True, False), (MAX_ROWS, True, False), (MAX_ROWS + 1, True, False),
+             (64, False, False),  # chosen=False: cuBLAS serves this weight
+             (MAX_ROWS + 1, True, True), (PARTIAL_SUMS_MAX_ROWS, True, True), (PARTIAL_SUMS_MAX_ROWS + 1, True, True)]
+    for rows, chosen, partial_sums in cases:
         x = torch.randn(rows, 16)
-        got = linear(x, weight, None, use_skinny=False, use_batch_matmul=chosen)
-        if chosen and MIN_ROWS <= rows <= MAX_ROWS:
+        got = linear(x, weight, None, use_skinny=False, use_batch_matmul=chosen, partial_sums=partial_sums)
+        if chosen and MIN_ROWS <= rows <= (PARTIAL_SUMS_MAX_ROWS if partial_sums else MAX_ROWS):
             assert torch.equal(got, torch.full((rows, 8), 1234.0))
         else:
             torch.testing.assert_close(got, x @ weight.T)
-    assert rows_seen == [MIN_ROWS, MAX_ROWS]
+    assert rows_seen == [MIN_ROWS, MAX_ROWS, MAX_ROWS + 1, PARTIAL_SUMS_MAX_ROWS]
 
 
 @pytest.mark.parametrize("partial_sums", [False, True])
@@ -152,7 +173,7 @@ def test_choosing_checks_the_kernel_at_the_fewest_and_most_rows(monkeypatch, par
 
     monkeypatch.setattr(batch_module, "batch_matmul", spy)
     assert batch_module.chosen(weight, partial_sums=partial_sums)
-    assert rows_launched == [MIN_ROWS, MAX_ROWS]
+    assert rows_launched == [MIN_ROWS, MAX_ROWS] + ([PARTIAL_SUMS_MAX_ROWS] if partial_sums else [])
 
 
 @pytest.mark.parametrize("wrong", [False, True])

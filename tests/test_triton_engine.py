@@ -173,7 +173,7 @@ def test_small_batch_linear_kernels_in_the_engine_match_hf(model_dir: str, monke
             monkeypatch.setattr(batch_matmul, name, spy(getattr(batch_matmul, name)))
         real_config = batch_matmul.batch_matmul_config
         monkeypatch.setattr(batch_matmul, "batch_matmul_config",  # the tiny model's K in two splits
-                            lambda *args: {**real_config(*args), "BLOCK_K": 16, "SPLIT_K": 2 if args[-1] else 1})
+                            lambda *args: {**real_config(*args), "BLOCK_K": 16, "SPLIT_K": 2 if args[4] else 1})
     llm = LLM(model_dir, dtype="float32", max_model_len=64, block_size=8, kernels="triton")
     for layer in llm.llm_engine.model_runner.model.modules():
         if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):

@@ -1,8 +1,11 @@
-"""y = x @ W^T (+ bias) for 5 to 64 rows: the linear layers of mid-sized decode steps (and short prompt steps).
+"""y = x @ W^T (+ bias) for 5 to 64 rows (to 192 with partial sums): the linear layers of mid-sized
+decode steps (and short prompt steps).
 
 At these sizes a projection is a few microseconds of weight reads, and cuBLAS's kernels add a
 launch, the first weight tiles' trip from HBM, and too few output tiles to fill the GPU (N = 1,024:
-8 of 128 features). Past 64 rows cuBLAS's pipelines win back what this saves. This kernel is
+8 of 128 features). Past 64 rows cuBLAS's pipelines win back what this saves, except for the
+row-parallel projections whose partial sums the next add-RMSNorm adds up (o and down: N = 1,024),
+which keep split K and gain up to PARTIAL_SUMS_MAX_ROWS. This kernel is
 launched with programmatic dependent launch (kernels/pdl.py), and each program first asks L2 to
 prefetch its slice of the weight (one cp.async.bulk.prefetch.L2 per weight row) before it waits for
 the kernel before it, whose output is x: the weight read overlaps that kernel's tail instead of
@@ -28,8 +31,10 @@ from minivllm.kernels import (SplitKPartials, agrees_with_linear, cdiv, check_ma
                               matmul_k_range, sm_count, split_k_range, store_output, weight_rows)
 from minivllm.kernels.pdl import pdl_enabled, pdl_options, wait_for_previous_kernel
 
-# Rows this kernel serves: one tile of BLOCK_M rows; fewer go to skinny_matmul, more to cuBLAS.
+# Rows this kernel serves: one tile of BLOCK_M rows (with partial sums, up to three); fewer go to
+# skinny_matmul, more to cuBLAS.
 MIN_ROWS, MAX_ROWS = 5, 64
+PARTIAL_SUMS_MAX_ROWS = 192
 MAX_SPLIT_K = 8
 # Columns of K a program asks L2 to prefetch per weight row before it waits (2 KB of bf16).
 PREFETCH_K = 1024
@@ -87,17 +92,28 @@ def _batch_matmul_kernel(
         tl.store(part_ptrs, acc, mask=row_mask[:, None] & col_mask[None, :])
 
 
+def max_rows(partial_sums: bool) -> int:
+    """The most rows batch_matmul serves: MAX_ROWS, or PARTIAL_SUMS_MAX_ROWS with partial sums."""
+    return PARTIAL_SUMS_MAX_ROWS if partial_sums else MAX_ROWS
+
+
 @functools.cache
-def batch_matmul_config(dtype: torch.dtype, n: int, k: int, device: torch.device, partial_sums: bool) -> dict:
-    """One tile of 64 rows (every batch it serves) x 128 of K (64 in fp32), 4 warps (one
-    warpgroup: Hopper's wgmma), 4 stages; 64 output features a program, or with partial_sums 32
-    and SPLIT_K programs per output tile where the tiles alone would leave SMs idle (at most
-    MAX_SPLIT_K, a divisor of the K tiles, each split at least two). The same for every row count,
-    so one compilation serves them all. The returned dict is shared: read it, don't change it."""
+def batch_matmul_config(dtype: torch.dtype, n: int, k: int, device: torch.device, partial_sums: bool,
+                        num_rows: int = MAX_ROWS) -> dict:
+    """Tiles of 64 rows x 128 of K (64 in fp32), 4 warps (one warpgroup: Hopper's wgmma), 4
+    stages; 64 output features a program, or with partial_sums 32 and SPLIT_K programs per output
+    tile where the tiles alone would leave SMs idle (at most MAX_SPLIT_K, a divisor of the K tiles,
+    each split at least two). Past MAX_ROWS rows (partial sums only) 64 features and two splits:
+    the row tiles already multiply the programs (on an H200, Qwen3-0.6B's o and down at 96-192
+    rows: 4.7-6.6 µs against cuBLAS's 6.0-8.3). So one compilation serves every batch up to
+    MAX_ROWS and one the rest. The returned dict is shared: read it, don't change it."""
     block_m, block_k = MAX_ROWS, 128 if dtype.itemsize == 2 else 64
-    block_n = 32 if partial_sums else 64
-    tiles, k_tiles = cdiv(n, block_n), cdiv(k, block_k)
-    split_k = max(1, min(MAX_SPLIT_K, sm_count(device) // tiles, k_tiles // 2)) if partial_sums else 1
+    k_tiles = cdiv(k, block_k)
+    if partial_sums and num_rows > MAX_ROWS:
+        block_n, split_k = 64, min(2, k_tiles)
+    else:
+        block_n = 32 if partial_sums else 64
+        split_k = max(1, min(MAX_SPLIT_K, sm_count(device) // cdiv(n, block_n), k_tiles // 2)) if partial_sums else 1
     while k_tiles % split_k:  # as many K tiles in every split: no empty or ragged split
         split_k -= 1
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=4)
@@ -105,8 +121,8 @@ def batch_matmul_config(dtype: torch.dtype, n: int, k: int, device: torch.device
 
 def batch_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  partial_sums: bool = False, config: dict | None = None) -> torch.Tensor | SplitKPartials:
-    """`F.linear(x, weight, bias)` for x [M, K] with MIN_ROWS <= M <= MAX_ROWS: a new [M, N]
-    tensor; with partial_sums (no bias) possibly SplitKPartials, to be consumed before the next
+    """`F.linear(x, weight, bias)` for x [M, K] with MIN_ROWS <= M <= max_rows(partial_sums): a new
+    [M, N] tensor; with partial_sums (no bias) possibly SplitKPartials, to be consumed before the next
     call. weight [N, K] and x share a float dtype, both with a contiguous last dimension;
     fp32 accumulation. `config` overrides batch_matmul_config()."""
     return _launch(x, weight, bias, partial_sums, config, fuse_silu_and_mul=False)
@@ -125,9 +141,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pa
             config: dict | None, fuse_silu_and_mul: bool) -> torch.Tensor | SplitKPartials:
     num_rows, k = x.shape
     n = weight.shape[0]
-    check_matmul_operands("batch_matmul", x, weight, bias, MAX_ROWS)
+    check_matmul_operands("batch_matmul", x, weight, bias, max_rows(partial_sums))
     assert not (partial_sums and bias is not None), "a bias has no place in partial sums"
-    cfg = batch_matmul_config(x.dtype, n, k, x.device, partial_sums) if config is None else config
+    cfg = batch_matmul_config(x.dtype, n, k, x.device, partial_sums, num_rows) if config is None else config
     split_k = cfg["SPLIT_K"]
     assert not fuse_silu_and_mul or (n % 2 == 0 and bias is None and split_k == 1), (
         "fuse_silu_and_mul: a [gate; up] weight, no bias, no split-K")
@@ -172,20 +188,20 @@ _chosen: dict[tuple, bool] = {}
 
 def chosen(weight: torch.Tensor, bias: torch.Tensor | None = None, partial_sums: bool = False,
            fuse_silu_and_mul: bool = False) -> bool:
-    """Whether batches of MIN_ROWS to MAX_ROWS rows should multiply by this weight (and add this
+    """Whether batches of MIN_ROWS to max_rows(partial_sums) rows should multiply by this weight (and add this
     bias; leaving partial sums if asked; for a packed [gate; up] weight with fuse_silu_and_mul,
     through batch_matmul_silu_and_mul) here instead of in cuBLAS; decided once per shape and
     dtype. Only where kernels launch with PDL (kernels/pdl.py): the kernel's gain is the weight
     read that PDL lets it start before the kernel ahead of it ends, which timing it alone would
     not show. Deciding runs the kernel (compiling it now, not inside a step: a second's stall)
-    at the fewest and most rows; a kernel that disagrees with cuBLAS on the weight is never
+    at the fewest and most rows of each of its tilings; a kernel that disagrees with cuBLAS on the weight is never
     chosen (an error is logged: a kernel bug)."""
     key = (tuple(weight.shape), weight.dtype, weight.device, bias is not None, partial_sums, fuse_silu_and_mul)
     if key not in _chosen:
         _chosen[key] = False
         if pdl_enabled(weight.device) and weight.dtype.itemsize == 2 and prefetchable(weight):
             xs = [torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-                  for rows in (MIN_ROWS, MAX_ROWS)]
+                  for rows in sorted({MIN_ROWS, MAX_ROWS, max_rows(partial_sums)})]
             outs = [batch_matmul_silu_and_mul(x, weight) if fuse_silu_and_mul
                     else batch_matmul(x, weight, bias, partial_sums) for x in xs]
             _chosen[key] = all(agrees_with_linear("batch_matmul", out, x, weight, bias, 1e-2, fuse_silu_and_mul)

@@ -16,16 +16,18 @@ from minivllm.kernels import SplitKPartials
 from minivllm.layers.activation import SiluAndMul
 
 
-def small_batch_kernel(x: torch.Tensor, use_skinny: bool, use_batch_matmul: bool) -> ModuleType | None:
+def small_batch_kernel(x: torch.Tensor, use_skinny: bool, use_batch_matmul: bool,
+                       partial_sums: bool = False) -> ModuleType | None:
     """The kernel module that serves x's batch where one was chosen for the weight: skinny_matmul
-    for a small decode batch, batch_matmul for a mid-sized one (up to 64 rows); None: cuBLAS."""
+    for a small decode batch, batch_matmul for a mid-sized one (up to 64 rows, 192 where its
+    partial sums are wanted); None: cuBLAS."""
     if not (use_skinny or use_batch_matmul) or x.dim() != 2:
         return None
     from minivllm.kernels import batch_matmul, skinny_matmul  # imported only where Triton is used
     rows = x.shape[0]
     if use_skinny and 0 < rows <= skinny_matmul.ROUTED_ROWS:
         return skinny_matmul
-    if use_batch_matmul and batch_matmul.MIN_ROWS <= rows <= batch_matmul.MAX_ROWS:
+    if use_batch_matmul and batch_matmul.MIN_ROWS <= rows <= batch_matmul.max_rows(partial_sums):
         return batch_matmul
     return None
 
@@ -34,7 +36,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use
            use_batch_matmul: bool, partial_sums: bool = False) -> torch.Tensor | SplitKPartials:
     """F.linear, or the small_batch_kernel for x's batch (with partial_sums and no bias, its
     output may be left as SplitKPartials)."""
-    kernel = small_batch_kernel(x, use_skinny, use_batch_matmul)
+    kernel = small_batch_kernel(x, use_skinny, use_batch_matmul, partial_sums)
     if kernel is None:
         return F.linear(x, weight, bias)
     from minivllm.kernels import batch_matmul
@@ -130,7 +132,7 @@ class RowParallelLinear(nn.Module):
 
 def choose_small_batch_kernels(model: nn.Module) -> None:
     """Route each linear layer's small batches to skinny_matmul, and its decode batches of up
-    to 64 rows to batch_matmul, where each serves its loaded weight better than cuBLAS (a GPU
+    to 64 rows (192 with partial sums) to batch_matmul, where each serves its loaded weight better than cuBLAS (a GPU
     only: skinny_matmul.beats_cublas, batch_matmul.chosen)."""
     from minivllm.kernels import batch_matmul, skinny_matmul  # needs a GPU
     for module in model.modules():
