@@ -104,9 +104,9 @@ def batch_matmul_config(dtype: torch.dtype, n: int, k: int, device: torch.device
     stages; 64 output features a program, or with partial_sums 32 and SPLIT_K programs per output
     tile where the tiles alone would leave SMs idle (at most MAX_SPLIT_K, a divisor of the K tiles,
     each split at least two). Past MAX_ROWS rows (partial sums only) 64 features and two splits:
-    the row tiles already multiply the programs (on an H200, Qwen3-0.6B's o and down at 96-192
-    rows: 4.7-6.6 µs against cuBLAS's 6.0-8.3). So one compilation serves every batch up to
-    MAX_ROWS and one the rest. The returned dict is shared: read it, don't change it."""
+    the row tiles already multiply the programs (the fastest tiles measured for Qwen3-0.6B's o and
+    down at 96-192 rows on an H200; docs/perf-log.md has the figures). So one compilation serves
+    every batch up to MAX_ROWS and one the rest. The returned dict is shared: read it, don't change it."""
     block_m, block_k = MAX_ROWS, 128 if dtype.itemsize == 2 else 64
     k_tiles = cdiv(k, block_k)
     if partial_sums and num_rows > MAX_ROWS:
