@@ -185,3 +185,31 @@ def test_small_batch_linear_kernels_in_the_engine_match_hf(model_dir: str, monke
     # Per layer, qkv and gate_up give their output (gate_up's through SiLU-and-mul), o and down
     # (row-parallel) partial sums.
     assert partials_seen.count(True) == partials_seen.count(False) > 0
+
+
+def test_partial_sums_past_64_rows_in_the_engine_match_hf(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps of 65-192 sequences: the row-parallel o and down projections take batch_matmul
+    (tiles of 64 rows, K split, partial sums for the add-RMSNorm), qkv and gate_up F.linear, and
+    the tokens still match HF."""
+    from minivllm.kernels import SplitKPartials, batch_matmul
+    from minivllm.layers.linear import RowParallelLinear
+
+    wide_partials: list[int] = []
+    real = batch_matmul.batch_matmul
+
+    def spy(x, *args, **kwargs):  # noqa: ANN001, ANN202
+        out = real(x, *args, **kwargs)
+        if x.shape[0] > batch_matmul.MAX_ROWS and isinstance(out, SplitKPartials):
+            wide_partials.append(x.shape[0])
+        return out
+
+    monkeypatch.setattr(batch_matmul, "batch_matmul", spy)
+    llm = LLM(model_dir, dtype="float32", max_model_len=32, block_size=8, kernels="triton", max_num_seqs=80)
+    for layer in llm.llm_engine.model_runner.model.modules():
+        if isinstance(layer, RowParallelLinear):
+            assert layer.partial_sums
+            layer.use_batch_matmul = True
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, 700) for _ in range(rng.randint(1, 3))] for _ in range(70)]
+    assert greedy_outputs(llm, prompts, 3) == [hf_greedy(model_dir, p, 3)[0] for p in prompts]
+    assert wide_partials and all(rows <= batch_matmul.PARTIAL_SUMS_MAX_ROWS for rows in wide_partials)
