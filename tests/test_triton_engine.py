@@ -172,8 +172,12 @@ def test_small_batch_linear_kernels_in_the_engine_match_hf(model_dir: str, monke
         for name in ("batch_matmul", "batch_matmul_silu_and_mul"):
             monkeypatch.setattr(batch_matmul, name, spy(getattr(batch_matmul, name)))
         real_config = batch_matmul.batch_matmul_config
-        monkeypatch.setattr(batch_matmul, "batch_matmul_config",  # the tiny model's K in two splits
-                            lambda *args: {**real_config(*args), "BLOCK_K": 16, "SPLIT_K": 2 if args[4] else 1})
+
+        def split_config(dtype, n, k, device, partial_sums, *rest):  # noqa: ANN001, ANN202
+            # The tiny model's K in two splits where partial sums are wanted (else outputs must be whole).
+            return {**real_config(dtype, n, k, device, partial_sums, *rest), "BLOCK_K": 16,
+                    "SPLIT_K": 2 if partial_sums else 1}
+        monkeypatch.setattr(batch_matmul, "batch_matmul_config", split_config)
     llm = LLM(model_dir, dtype="float32", max_model_len=64, block_size=8, kernels="triton")
     for layer in llm.llm_engine.model_runner.model.modules():
         if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
