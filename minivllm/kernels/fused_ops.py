@@ -254,7 +254,8 @@ def _qk_norm_rope_store_kernel(
     FP8_CACHE: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
-    # One program per token: its cos/sin row is loaded once and serves all q and k heads;
+    # Two programs per token, each loading its cos/sin row: one for the q heads, one for k
+    # and v (the step's latency is two short chains side by side rather than one long one);
     # q, k and v are each read once and q written once, k and v go straight to the cache.
     tok = tl.program_id(0).to(tl.int64)  # int64: N * stride can pass 2**31
     pos = tl.load(positions_ptr + tok).to(tl.int64)
@@ -268,16 +269,16 @@ def _qk_norm_rope_store_kernel(
     cos2 = tl.load(row + HALF + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
     sin1 = tl.load(row + stride_cs + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
     sin2 = tl.load(row + stride_cs + HALF + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
-    wait_for_previous_kernel(PDL)  # positions and cos/sin are the step's inputs; q, k, v are not
-
-    q1, q2 = _load_halves(q_ptr + tok * stride_qn, stride_qh, NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF)
-    if QK_NORM:
-        q1, q2 = _head_rms_norm(q1, q2, q_weight_ptr, eps, HALF, BLOCK_HALF)
-    q1, q2 = _rotate(q1, q2, cos1, cos2, sin1, sin2)
-    _store_halves(q_ptr + tok * stride_qn, stride_qh, q1, q2, NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF)
-
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)  # int64: caches can pass 2**31 elements
-    if slot >= 0:  # < 0: stored nowhere (a graph's padding tokens, warm-up steps)
+    wait_for_previous_kernel(PDL)  # positions, cos/sin and slots are the step's inputs; q, k, v are not
+
+    if tl.program_id(1) == 0:
+        q1, q2 = _load_halves(q_ptr + tok * stride_qn, stride_qh, NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF)
+        if QK_NORM:
+            q1, q2 = _head_rms_norm(q1, q2, q_weight_ptr, eps, HALF, BLOCK_HALF)
+        q1, q2 = _rotate(q1, q2, cos1, cos2, sin1, sin2)
+        _store_halves(q_ptr + tok * stride_qn, stride_qh, q1, q2, NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF)
+    elif slot >= 0:  # < 0: stored nowhere (a graph's padding tokens, warm-up steps)
         k1, k2 = _load_halves(k_ptr + tok * stride_kn, stride_kh, NUM_KV_HEADS, HALF, BLOCK_HKV, BLOCK_HALF)
         if QK_NORM:
             k1, k2 = _head_rms_norm(k1, k2, k_weight_ptr, eps, HALF, BLOCK_HALF)
@@ -349,7 +350,7 @@ def qk_norm_rope_store(
         return q
     half = head_dim // 2
     block_hq = next_power_of_2(num_q_heads)
-    _qk_norm_rope_store_kernel[(num_tokens,)](
+    _qk_norm_rope_store_kernel[(num_tokens, 2)](
         positions, q, k, v, cos_sin,
         q_norm_weight if qk_norm else q, k_norm_weight if qk_norm else q,  # (placeholders without norms)
         k_cache, v_cache, slot_mapping,
