@@ -239,6 +239,17 @@ def _rotate(x1, x2, cos1, cos2, sin1, sin2):
 
 
 @triton.jit
+def _norm_rope_heads(ptr, stride_h, norm_weight_ptr, eps, cos1, cos2, sin1, sin2,
+                     NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+                     BLOCK_HALF: tl.constexpr, QK_NORM: tl.constexpr):
+    """One token's q or k heads, RMSNormed per head (if QK_NORM) and rotated, as two halves."""
+    x1, x2 = _load_halves(ptr, stride_h, NUM_HEADS, HALF, BLOCK_HEADS, BLOCK_HALF)
+    if QK_NORM:
+        x1, x2 = _head_rms_norm(x1, x2, norm_weight_ptr, eps, HALF, BLOCK_HALF)
+    return _rotate(x1, x2, cos1, cos2, sin1, sin2)
+
+
+@triton.jit
 def _qk_norm_rope_store_kernel(
     positions_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr,
     k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
@@ -273,16 +284,12 @@ def _qk_norm_rope_store_kernel(
     wait_for_previous_kernel(PDL)  # positions, cos/sin and slots are the step's inputs; q, k, v are not
 
     if tl.program_id(1) == 0:
-        q1, q2 = _load_halves(q_ptr + tok * stride_qn, stride_qh, NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF)
-        if QK_NORM:
-            q1, q2 = _head_rms_norm(q1, q2, q_weight_ptr, eps, HALF, BLOCK_HALF)
-        q1, q2 = _rotate(q1, q2, cos1, cos2, sin1, sin2)
+        q1, q2 = _norm_rope_heads(q_ptr + tok * stride_qn, stride_qh, q_weight_ptr, eps, cos1, cos2, sin1, sin2,
+                                  NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF, QK_NORM)
         _store_halves(q_ptr + tok * stride_qn, stride_qh, q1, q2, NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF)
     elif slot >= 0:  # < 0: stored nowhere (a graph's padding tokens, warm-up steps)
-        k1, k2 = _load_halves(k_ptr + tok * stride_kn, stride_kh, NUM_KV_HEADS, HALF, BLOCK_HKV, BLOCK_HALF)
-        if QK_NORM:
-            k1, k2 = _head_rms_norm(k1, k2, k_weight_ptr, eps, HALF, BLOCK_HALF)
-        k1, k2 = _rotate(k1, k2, cos1, cos2, sin1, sin2)
+        k1, k2 = _norm_rope_heads(k_ptr + tok * stride_kn, stride_kh, k_weight_ptr, eps, cos1, cos2, sin1, sin2,
+                                  NUM_KV_HEADS, HALF, BLOCK_HKV, BLOCK_HALF, QK_NORM)
         v1, v2 = _load_halves(v_ptr + tok * stride_vn, stride_vh, NUM_KV_HEADS, HALF, BLOCK_HKV, BLOCK_HALF)
         dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co
         k1, k2 = _to_cache_dtype(k1, k_cache_ptr, FP8_CACHE), _to_cache_dtype(k2, k_cache_ptr, FP8_CACHE)
