@@ -31,6 +31,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, CompiledKernel, make_backend  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -66,8 +67,8 @@ def compile_launch(kernel: JITFunction, args: tuple, kwargs: dict[str, Any]) -> 
     kwargs = kwargs | {"debug": bool(kernel.debug)}
     bound_args, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
-                          options=options.__dict__)
+    source = GluonASTSource if kernel.is_gluon() else ASTSource
+    return triton.compile(source(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
 
 
 def _run_tool(name: str, args: list[str], cubin: bytes) -> str:

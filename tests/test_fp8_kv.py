@@ -172,6 +172,27 @@ def test_gpu_bf16_queries_over_fp8_cache(decode: bool, num_seqs: int) -> None:
     check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, 128 ** -0.5), torch.bfloat16)
 
 
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(16, 8), (8, 8), (32, 4), (16, 1)])
+def test_gpu_fp8_decode_kernel(block_size: int, num_q_heads: int, num_kv_heads: int) -> None:
+    """kernels/fp8_decode.py (decode_config's choice on a GPU) over GQA groups of 1 to 16 and
+    several block sizes: contexts from 1 key to past a tile, ragged ends, empty (padded) rows,
+    one split and several."""
+    assert pa.decode_config(128, torch.bfloat16, FP8, 4).get("fp8_decode")
+    gen = random.Random(block_size + num_q_heads)
+    seq_lens = [1, 31, 32, 33, 100, gen.randint(1, 2000), gen.randint(1, 2000), 0]
+    qsl, lens, table, num_blocks = make_batch([1] * len(seq_lens), seq_lens, block_size)
+    k_cache, v_cache = fp8_cache(num_blocks, block_size, num_kv_heads, 128, seed=block_size)
+    q = random_q(len(seq_lens), num_q_heads, 128, torch.bfloat16)
+    ref = reference_attention(q, k_cache, v_cache, qsl, lens, table, 128 ** -0.5)
+    for num_splits in (1, 3, 8):
+        out = pa.paged_attention_decode(q, k_cache, v_cache, lens, table, 128 ** -0.5, num_splits)
+        assert torch.equal(out[-1], torch.zeros_like(out[-1]))  # the empty row
+        check(out[:-1], ref[:-1], torch.bfloat16)
+
+
 # --- the engine with kv_cache_dtype="fp8" --------------------------------------------------
 
 def fp8_llm(model_dir: str, kernels: str = "torch", **kwargs: object) -> "LLM":

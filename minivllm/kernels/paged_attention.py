@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels import INTERPRETED, cdiv, dot_precision, next_power_of_2, split_count
+from minivllm.kernels import INTERPRET, INTERPRETED, cdiv, dot_precision, fp8_decode, next_power_of_2, split_count
 from minivllm.kernels.pdl import pdl_options, wait_for_previous_kernel
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2 (exp2 is the native instruction)
@@ -714,10 +714,11 @@ def paged_attention_mixed(
 # W1's decode batches in benchmarks/kernels/decode_w1.py): a launch aims for as many
 # (seq, kv head, split) programs per SM as decode_config's tiles say. For multi-warp tiles
 # 3 beats 6 on W1 (an extra split costs more than the short launch tail it removes); the FP8
-# one-warp tile aims for the 7 that fit on an SM (by shared memory), as each is one warp.
+# one-warp tiles aim for as many as fit on an SM (by shared memory), as each is one warp.
 DECODE_PROGRAMS_PER_SM = 3
 FP8_DECODE_ONE_WARP_PROGRAMS_PER_SM = 7
-MOST_DECODE_PROGRAMS_PER_SM = max(DECODE_PROGRAMS_PER_SM, FP8_DECODE_ONE_WARP_PROGRAMS_PER_SM)
+MOST_DECODE_PROGRAMS_PER_SM = max(DECODE_PROGRAMS_PER_SM, FP8_DECODE_ONE_WARP_PROGRAMS_PER_SM,
+                                  fp8_decode.PROGRAMS_PER_SM)
 DECODE_MIN_TOKENS_PER_SPLIT = 128  # a split shorter than this costs more than it saves
 DECODE_MAX_SPLITS = 32
 
@@ -736,8 +737,11 @@ def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, n
     programs per SM) bigger tiles keep more bytes in flight per program; with many (every
     context in one split, several programs per SM) smaller programs do. So 128-key tiles,
     two stages, 4 warps; from DECODE_SHORT_TILE_MIN_SEQS sequences 64-key tiles with 2 warps.
-    An FP8 cache: an FP8 tile costs more instructions per byte (the widening), so one warp,
-    free of cross-warp reductions, with 32-key tiles and five stages is fastest at every W1
+    An FP8 cache at D=128 under 16-bit queries on a GPU takes kernels/fp8_decode.py (one-warp programs, keys-major,
+    no shared-memory round trip between the loads and the tensor cores; 10 % less time than
+    the Triton kernel on W1's batches): {"fp8_decode": True}. Elsewhere (other head sizes,
+    Triton's interpreter) an FP8 tile costs more instructions per byte (the widening), so one
+    warp, free of cross-warp reductions, with 32-key tiles and five stages is fastest at every W1
     batch size, its splits chosen to fill an SM with them. (Triton shares a loop's stages
     between the block-table load and the K/V loads whose addresses it gives: up to four
     stages leave K and V one buffer, so a tile's loads start only after the previous tile's
@@ -747,6 +751,8 @@ def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, n
     kernels) takes 64-key tiles with 2 warps, so its splits are one short tile each. Query
     rows over 256 bytes (D=256, or fp32 at D=128) keep tiles of 16 KB of keys in q's dtype
     (not re-tuned; 8 KB read from an FP8 cache)."""
+    if fp8_decode.supports(head_dim, dtype, cache_dtype) and not INTERPRET:
+        return dict(fp8_decode=True, programs_per_sm=fp8_decode.PROGRAMS_PER_SM)
     if cache_dtype == torch.float8_e4m3fn and head_dim <= 128:
         return dict(BLOCK_N=32, num_warps=1, num_stages=5, programs_per_sm=FP8_DECODE_ONE_WARP_PROGRAMS_PER_SM)
     row_bytes = head_dim * dtype.itemsize
@@ -811,8 +817,12 @@ def paged_attention_decode(
         part_out, part_lse = _decode_workspace(part_out, part_lse, num_seqs * num_q_heads * num_splits, q)
     else:
         part_out = part_lse = out  # not touched by the kernel when num_parts == 1
-    _launch_decode_split(q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables,
-                         DECODE_PLAIN, None, scale, num_splits, 0, num_splits, cfg)
+    if cfg.get("fp8_decode"):
+        fp8_decode.launch_fp8_decode(q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables,
+                                     scale * LOG2E, num_splits)
+    else:
+        _launch_decode_split(q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables,
+                             DECODE_PLAIN, None, scale, num_splits, 0, num_splits, cfg)
     if num_splits > 1:
         _launch_decode_reduce(part_out, part_lse, out, num_splits)
     return out
