@@ -16,7 +16,8 @@ launch them:
   programs, so that small batches still fill the GPU; a second kernel merges the partial
   results through their log-sum-exps. The query heads of a GQA group form the rows of one
   tile (padded to a power of two of at least 16, the smallest tl.dot M) so the scores and the
-  value sum run on tensor cores and K/V are read once.
+  value sum run on tensor cores and K/V are read once. Over an FP8 cache on a GPU the split
+  kernel is kernels/fp8_decode.py's (decode_config chooses); its parts merge here the same way.
 
 * `paged_attention_decode_shared_prefix` - cascade decode, for batches whose sequences all
   begin with the same blocks (prefix caching): the split kernel, launched over the shared
