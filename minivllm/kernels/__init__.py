@@ -17,6 +17,19 @@ logger = logging.getLogger(__name__)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 INTERPRETED = tl.constexpr(INTERPRET)  # the same, as a constexpr for use inside kernels
 
+# Inline PTX (Triton's and Gluon's inline_asm_elementwise, constraints "=h,=h,=h,=h,r"): a
+# 4-byte word of four e4m3 bytes widened to four fp16 values, byte 0 first, two per
+# instruction (Hopper's cvt.rn.f16x2.e4m3x2).
+E4M3_WORD_TO_FP16_PTX = tl.constexpr("""{
+    .reg .b16 lo, hi;
+    .reg .b32 a, b;
+    mov.b32 {lo, hi}, $4;
+    cvt.rn.f16x2.e4m3x2 a, lo;
+    cvt.rn.f16x2.e4m3x2 b, hi;
+    mov.b32 {$0, $1}, a;
+    mov.b32 {$2, $3}, b;
+    }""")
+
 
 def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot's input_precision for inputs of this dtype: fp32 inputs would otherwise go

@@ -25,7 +25,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from minivllm.kernels import next_power_of_2
+from minivllm.kernels import E4M3_WORD_TO_FP16_PTX, next_power_of_2
 from minivllm.kernels.pdl import pdl_options
 
 BLOCK_N = gl.constexpr(32)  # keys a tile
@@ -53,15 +53,7 @@ ROWS = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0]))  # out's 
 def _widen(w):
     """[rows, 32] words of e4m3 bytes -> [rows, 128] fp16 (byte b of word i is dim 4 i + b)."""
     b0, b1, b2, b3 = gl.inline_asm_elementwise(
-        asm="""{
-        .reg .b16 lo, hi;
-        .reg .b32 a, b;
-        mov.b32 {lo, hi}, $4;
-        cvt.rn.f16x2.e4m3x2 a, lo;
-        cvt.rn.f16x2.e4m3x2 b, hi;
-        mov.b32 {$0, $1}, a;
-        mov.b32 {$2, $3}, b;
-        }""",
+        asm=E4M3_WORD_TO_FP16_PTX,
         constraints="=h,=h,=h,=h,r", args=[w], dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
         is_pure=True, pack=1)
     return gl.reshape(gl.join(gl.join(b0, b2), gl.join(b1, b3)), [w.shape[0], HEAD_DIM])
@@ -136,8 +128,8 @@ def _attend_keys(k_w, keys_left, qt, l_i, m_i, scale_log2):
 
 @gluon.jit
 def _attend_values(v_w, pt, alpha, acc):
-    """acc (O^T, its dims in _out_dims' inverse order) rescaled plus V^T P^T. Keys past the
-    context were copied as zeros: p is 0 there, but 0 * NaN would not be."""
+    """acc (O^T, its rows the dims in the order below, undone at the store) rescaled, plus
+    V^T P^T. Keys past the context were copied as zeros: p is 0 there, but 0 * NaN would not be."""
     v = _widen_key_pairs(v_w)
     # V's dims d = 16 a + b go to O^T row 8 b + a: each lane's 16 consecutive dims become its rows.
     vt = gl.permute(gl.reshape(gl.permute(gl.reshape(v, [BLOCK_N, 8, 16]), (0, 2, 1)), [BLOCK_N, HEAD_DIM]), (1, 0))

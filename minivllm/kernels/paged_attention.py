@@ -44,7 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels import INTERPRET, INTERPRETED, cdiv, dot_precision, fp8_decode, next_power_of_2, split_count
+from minivllm.kernels import (E4M3_WORD_TO_FP16_PTX, INTERPRET, INTERPRETED, cdiv, dot_precision, fp8_decode,
+                              next_power_of_2, split_count)
 from minivllm.kernels.pdl import pdl_options, wait_for_previous_kernel
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2 (exp2 is the native instruction)
@@ -94,15 +95,7 @@ def _load_e4m3_value_tile(ptr, row_offs, row_valid, ROWS: tl.constexpr, HEAD_DIM
         b3 = _e4m3_bits_to_f16((w >> 24) & 0xFF)
     else:
         b0, b1, b2, b3 = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b16 lo, hi;
-            .reg .b32 a, b;
-            mov.b32 {lo, hi}, $4;
-            cvt.rn.f16x2.e4m3x2 a, lo;
-            cvt.rn.f16x2.e4m3x2 b, hi;
-            mov.b32 {$0, $1}, a;
-            mov.b32 {$2, $3}, b;
-            }""",
+            asm=E4M3_WORD_TO_FP16_PTX,
             constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
             is_pure=True, pack=1)
     # join adds a last axis: [.., 2] of (b0, b2) then of that and (b1, b3) gives b0 b1 b2 b3.
@@ -738,9 +731,9 @@ def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, n
     programs per SM) bigger tiles keep more bytes in flight per program; with many (every
     context in one split, several programs per SM) smaller programs do. So 128-key tiles,
     two stages, 4 warps; from DECODE_SHORT_TILE_MIN_SEQS sequences 64-key tiles with 2 warps.
-    An FP8 cache at D=128 under 16-bit queries on a GPU takes kernels/fp8_decode.py (one-warp programs, keys-major,
-    no shared-memory round trip between the loads and the tensor cores; 10 % less time than
-    the Triton kernel on W1's batches): {"fp8_decode": True}. Elsewhere (other head sizes,
+    An FP8 cache at D=128 under 16-bit queries on a GPU takes kernels/fp8_decode.py, faster
+    on every W1 batch size (one-warp programs, keys-major, no shared-memory round trip between
+    the loads and the tensor cores): {"fp8_decode": True}. Elsewhere (other head sizes,
     Triton's interpreter) an FP8 tile costs more instructions per byte (the widening), so one
     warp, free of cross-warp reductions, with 32-key tiles and five stages is fastest at every W1
     batch size, its splits chosen to fill an SM with them. (Triton shares a loop's stages
