@@ -203,6 +203,17 @@ def test_decode_num_splits():
     assert 1 < paged_attention.decode_num_splits(8, 8, 4096, 132, per_sm) < paged_attention.DECODE_MAX_SPLITS
 
 
+def test_decode_num_splits_by_waves():
+    # Contexts filling 1.25 waves (9 programs an SM on 132 SMs) are not split; below that a
+    # launch aiming for 2.5 waves splits them into ~2.5 waves, where one wave needed none.
+    per_sm, waves = 9, 2.5
+    assert paged_attention.decode_num_splits(188, 8, 4096, 132, per_sm, waves=waves) == 1
+    assert paged_attention.decode_num_splits(153, 8, 4096, 132, per_sm) == 1
+    assert paged_attention.decode_num_splits(153, 8, 4096, 132, per_sm, waves=waves) == 3
+    assert paged_attention.decode_num_splits(101, 8, 4096, 132, per_sm, waves=waves) == 4
+    assert paged_attention.decode_num_splits(101, 8, 300, 132, per_sm, waves=waves) == 3  # 128-token splits
+
+
 def test_bad_head_dim_is_rejected():
     qsl, lens, table, num_blocks = make_batch([1], [5], 16)
     k_cache, v_cache = random_cache(num_blocks, 16, 1, 96, torch.float32)

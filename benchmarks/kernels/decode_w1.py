@@ -175,8 +175,9 @@ def run(every: int, chosen: dict[str, Variant], kv_dtype: torch.dtype) -> None:
           f"per-layer times, bandwidth = K+V bytes / time", flush=True)
     for step, seq_lens in w1_decode_batches(every):
         padded = next(s for s in sizes if s >= len(seq_lens))
+        engine_cfg = pa.decode_config(D, DTYPE, kv_dtype, padded)
         splits = pa.decode_num_splits(padded, HKV, DEFAULT_MAX_MODEL_LEN, sms,  # as the engine's graph
-                                      pa.decode_config(D, DTYPE, kv_dtype, padded)["programs_per_sm"])
+                                      engine_cfg["programs_per_sm"], waves=engine_cfg["waves"])
         layer_bytes = kv_bytes(sum(seq_lens), kv_dtype)
         cells = []
         times = {}

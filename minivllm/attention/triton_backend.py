@@ -36,6 +36,7 @@ from minivllm.kernels.paged_attention import (
     DECODE_MAX_SPLITS,
     DECODE_PROGRAMS_PER_SM,
     MOST_DECODE_PROGRAMS_PER_SM,
+    MOST_DECODE_WAVES,
     decode_config,
     decode_num_splits,
     paged_attention_decode,
@@ -89,7 +90,7 @@ class TritonAttentionBackend:
             gqa = num_q_heads // num_kv_heads
             rows = max(
                 b * (decode_num_splits(b, num_kv_heads, 1 << 30, num_sms, MOST_DECODE_PROGRAMS_PER_SM,
-                                       max_splits)
+                                       max_splits, MOST_DECODE_WAVES)
                      + shared_prefix_num_splits(cdiv(b * gqa, 128), num_kv_heads, 1 << 30, num_sms,
                                                 max_splits))
                 for b in range(1, max_num_seqs + 1)
@@ -136,7 +137,7 @@ class TritonAttentionBackend:
         num_seqs, num_q_heads, head_dim = q.shape
         config = decode_config(head_dim, q.dtype, k_cache.dtype, num_seqs)
         num_splits = decode_num_splits(num_seqs, k_cache.shape[2], max_seq_len, self._sm_count(q.device),
-                                       config["programs_per_sm"], self.max_splits)
+                                       config["programs_per_sm"], self.max_splits, config["waves"])
         part_out = part_lse = None
         if num_splits > 1:
             part_out, part_lse = self._workspace(num_seqs * num_q_heads * num_splits, head_dim, q.device)

@@ -32,6 +32,11 @@ BLOCK_N = gl.constexpr(32)  # keys a tile
 HEAD_DIM = gl.constexpr(128)
 STAGES = gl.constexpr(3)  # tiles in shared memory: two in flight while one is read
 PROGRAMS_PER_SM = 9  # 3 x 8 KB of K/V tiles a program: 9 fit an SM's shared memory
+# A launch of fewer contexts than about one wave of programs (PROGRAMS_PER_SM an SM) splits
+# them into this many waves (paged_attention.decode_num_splits): in a single wave the SMs'
+# one-warp programs end unevenly (contexts differ in length) and leave the SMs ever less
+# to stream.
+SPLIT_WAVES = 2.5
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 A_OP = gl.constexpr(gl.DotOperandLayout(0, MMA, 2))

@@ -40,6 +40,8 @@ only on tensor shapes and on the `max_seq_len` argument (for decode); actual len
 read from seq_lens on the device.
 """
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -705,14 +707,19 @@ def paged_attention_mixed(
 
 
 # Split-KV heuristic, tuned on an H200 (benchmarks/kernels/attention_kernels.py --sweep, and
-# W1's decode batches in benchmarks/kernels/decode_w1.py): a launch aims for as many
-# (seq, kv head, split) programs per SM as decode_config's tiles say. For multi-warp tiles
-# 3 beats 6 on W1 (an extra split costs more than the short launch tail it removes); the FP8
-# one-warp tiles aim for as many as fit on an SM (by shared memory), as each is one warp.
+# W1's decode batches in benchmarks/kernels/decode_w1.py and in the engine's graphs): a wave
+# is as many (seq, kv head, split) programs per SM as decode_config's tiles say, and a launch
+# aims for its `waves` of them. For multi-warp tiles 3 an SM beats 6 on W1 (an extra split
+# costs more than the short launch tail it removes); the FP8 one-warp tiles aim for as many
+# as fit on an SM (by shared memory), as each is one warp.
 DECODE_PROGRAMS_PER_SM = 3
 FP8_DECODE_ONE_WARP_PROGRAMS_PER_SM = 7
 MOST_DECODE_PROGRAMS_PER_SM = max(DECODE_PROGRAMS_PER_SM, FP8_DECODE_ONE_WARP_PROGRAMS_PER_SM,
                                   fp8_decode.PROGRAMS_PER_SM)
+MOST_DECODE_WAVES = fp8_decode.SPLIT_WAVES
+# From this many waves of contexts a launch splits none of them (the waves after the first
+# fill in as the first wave's programs end).
+DECODE_ONE_SPLIT_MIN_WAVES = 1.25
 DECODE_MIN_TOKENS_PER_SPLIT = 128  # a split shorter than this costs more than it saves
 DECODE_MAX_SPLITS = 32
 
@@ -746,9 +753,10 @@ def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, n
     rows over 256 bytes (D=256, or fp32 at D=128) keep tiles of 16 KB of keys in q's dtype
     (not re-tuned; 8 KB read from an FP8 cache)."""
     if fp8_decode.supports(head_dim, dtype, cache_dtype) and not INTERPRET:
-        return dict(fp8_decode=True, programs_per_sm=fp8_decode.PROGRAMS_PER_SM)
+        return dict(fp8_decode=True, programs_per_sm=fp8_decode.PROGRAMS_PER_SM, waves=fp8_decode.SPLIT_WAVES)
     if cache_dtype == torch.float8_e4m3fn and head_dim <= 128:
-        return dict(BLOCK_N=32, num_warps=1, num_stages=5, programs_per_sm=FP8_DECODE_ONE_WARP_PROGRAMS_PER_SM)
+        return dict(BLOCK_N=32, num_warps=1, num_stages=5, programs_per_sm=FP8_DECODE_ONE_WARP_PROGRAMS_PER_SM,
+                    waves=1.0)
     row_bytes = head_dim * dtype.itemsize
     if row_bytes > 512:
         tiles = dict(BLOCK_N=16, num_warps=4, num_stages=2)
@@ -758,7 +766,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, n
         tiles = dict(BLOCK_N=64, num_warps=2, num_stages=2)
     else:
         tiles = dict(BLOCK_N=128, num_warps=4, num_stages=2)
-    return tiles | {"programs_per_sm": DECODE_PROGRAMS_PER_SM}
+    return tiles | {"programs_per_sm": DECODE_PROGRAMS_PER_SM, "waves": 1.0}
 
 
 def decode_num_splits(
@@ -768,14 +776,20 @@ def decode_num_splits(
     num_sms: int,
     programs_per_sm: int,
     max_splits: int = DECODE_MAX_SPLITS,
+    waves: float = 1.0,
 ) -> int:
     """How many programs share one (sequence, KV head) context. Depends only on host
     integers (the batch shape, max_seq_len, the GPU), never on device data, so a captured
-    graph keeps a valid launch. Enough programs to fill the GPU (programs_per_sm of them
-    per SM: the launch's decode_config() says how many), but no split shorter than
-    DECODE_MIN_TOKENS_PER_SPLIT tokens of max_seq_len."""
-    return split_count(programs_per_sm * num_sms, num_seqs * num_kv_heads, max_seq_len,
-                       DECODE_MIN_TOKENS_PER_SPLIT, max_splits)
+    graph keeps a valid launch. A wave is programs_per_sm programs on every SM (the launch's
+    decode_config() says how many, and how many waves it aims for). Contexts that fill
+    DECODE_ONE_SPLIT_MIN_WAVES waves are not split; fewer are split into enough programs for
+    `waves` waves, but no split shorter than DECODE_MIN_TOKENS_PER_SPLIT tokens of max_seq_len."""
+    wave = programs_per_sm * num_sms
+    num_contexts = num_seqs * num_kv_heads
+    if num_contexts >= DECODE_ONE_SPLIT_MIN_WAVES * wave:
+        return 1
+    return split_count(math.ceil(waves * wave), num_contexts, max_seq_len, DECODE_MIN_TOKENS_PER_SPLIT,
+                       max_splits)
 
 
 def paged_attention_decode(
