@@ -98,12 +98,12 @@ def _widen_key_pairs(w):
 
 
 @gluon.jit
-def _copy_tile(smem, words, bt, key_blocks, word_offs, dims, n0, kv_len, in_range, stride_cb_w, stride_cs_w,
-               BLOCK_SIZE: gl.constexpr):
-    """cp.async of the K or V tile of keys n0 .. n0 + BLOCK_N - 1 into smem (keys from kv_len
-    on, or all if not in_range, are not read: zeros land instead). bt: the sequence's block
-    table row; per key of the tile: key_blocks, its block within the tile, and word_offs, its
-    word offset within its block (plus the KV head's); dims: the words of a row."""
+def _tile_offsets(bt, key_blocks, word_offs, n0, kv_len, in_range, stride_cb_w, stride_cs_w,
+                  BLOCK_SIZE: gl.constexpr):
+    """The K or V tile of keys n0 .. n0 + BLOCK_N - 1: each key's word offset in the cache,
+    and which keys to read (none from kv_len on, none at all unless in_range). bt: the
+    sequence's block table row; per key of the tile: key_blocks, its block within the tile,
+    and word_offs, its word offset within its block (plus the KV head's)."""
     keys = gl.arange(0, BLOCK_N, layout=word_offs.type.layout)
     valid = (keys < kv_len - n0) & in_range
     if BLOCK_SIZE <= BLOCK_N:
@@ -111,6 +111,13 @@ def _copy_tile(smem, words, bt, key_blocks, word_offs, dims, n0, kv_len, in_rang
         offs = ids * stride_cb_w + word_offs
     else:  # the whole tile in one block
         offs = gl.load(bt + n0 // BLOCK_SIZE) * stride_cb_w + (n0 % BLOCK_SIZE) * stride_cs_w + word_offs
+    return offs, valid
+
+
+@gluon.jit
+def _copy_tile(smem, words, offs, valid, dims):
+    """cp.async of a tile (_tile_offsets' offs and valid; dims: the words of a row) into smem;
+    zeros land for the keys not read."""
     async_copy.async_copy_global_to_shared(smem, words + offs[:, None] + dims[None, :], mask=valid[:, None])
 
 
@@ -186,17 +193,27 @@ def _fp8_decode_kernel(
     k_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 32], TILE_SMEM)
     v_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 32], TILE_SMEM)
 
+    # The first two tiles' block-table entries before the wait (the host writes the block
+    # tables, no kernel does), their K and V after it.
+    gl.static_assert(STAGES == 3, "the prologue fills two stages")
+    k_offs0, k_valid0 = _tile_offsets(bt, kb_k, wo_k, first * BLOCK_N, kv_len, first < end,
+                                      stride_cb_w, stride_cs_w, BLOCK_SIZE)
+    v_offs0, v_valid0 = _tile_offsets(bt, kb_v, wo_v, first * BLOCK_N, kv_len, first < end,
+                                      stride_cb_w, stride_cs_w, BLOCK_SIZE)
+    k_offs1, k_valid1 = _tile_offsets(bt, kb_k, wo_k, (first + 1) * BLOCK_N, kv_len, first + 1 < end,
+                                      stride_cb_w, stride_cs_w, BLOCK_SIZE)
+    v_offs1, v_valid1 = _tile_offsets(bt, kb_v, wo_v, (first + 1) * BLOCK_N, kv_len, first + 1 < end,
+                                      stride_cb_w, stride_cs_w, BLOCK_SIZE)
     if PDL:  # the previous kernel writes q and this step's K/V (kernels/pdl.py)
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
-    for s in gl.static_range(STAGES - 1):
-        n0 = (first + s) * BLOCK_N
-        _copy_tile(k_smem.index(s), k_words, bt, kb_k, wo_k, dims_k, n0, kv_len, first + s < end,
-                   stride_cb_w, stride_cs_w, BLOCK_SIZE)
-        _copy_tile(v_smem.index(s), v_words, bt, kb_v, wo_v, dims_v, n0, kv_len, first + s < end,
-                   stride_cb_w, stride_cs_w, BLOCK_SIZE)
-        async_copy.commit_group()
+    _copy_tile(k_smem.index(0), k_words, k_offs0, k_valid0, dims_k)
+    _copy_tile(v_smem.index(0), v_words, v_offs0, v_valid0, dims_v)
+    async_copy.commit_group()
+    _copy_tile(k_smem.index(1), k_words, k_offs1, k_valid1, dims_k)
+    _copy_tile(v_smem.index(1), v_words, v_offs1, v_valid1, dims_v)
+    async_copy.commit_group()
 
     # Q^T, loaded straight into its mma operand (a layout conversion would take shared memory
     # beside the tiles'), its dims in the order _attend_keys puts K's in: logical dim
@@ -217,10 +234,12 @@ def _fp8_decode_kernel(
         # Tile t + STAGES - 1 goes into the slot read in the last iteration.
         n0 = (t + STAGES - 1) * BLOCK_N
         slot = (i + STAGES - 1) % STAGES
-        _copy_tile(k_smem.index(slot), k_words, bt, kb_k, wo_k, dims_k, n0, kv_len, t + STAGES - 1 < end,
-                   stride_cb_w, stride_cs_w, BLOCK_SIZE)
-        _copy_tile(v_smem.index(slot), v_words, bt, kb_v, wo_v, dims_v, n0, kv_len, t + STAGES - 1 < end,
-                   stride_cb_w, stride_cs_w, BLOCK_SIZE)
+        k_offs, k_valid = _tile_offsets(bt, kb_k, wo_k, n0, kv_len, t + STAGES - 1 < end,
+                                        stride_cb_w, stride_cs_w, BLOCK_SIZE)
+        _copy_tile(k_smem.index(slot), k_words, k_offs, k_valid, dims_k)
+        v_offs, v_valid = _tile_offsets(bt, kb_v, wo_v, n0, kv_len, t + STAGES - 1 < end,
+                                        stride_cb_w, stride_cs_w, BLOCK_SIZE)
+        _copy_tile(v_smem.index(slot), v_words, v_offs, v_valid, dims_v)
         async_copy.commit_group()
         pt, alpha, l_i, m_i = _attend_keys(k_w, kv_len - t * BLOCK_N, qt, l_i, m_i, scale_log2)
         acc = _attend_values(v_smem.index(i % STAGES).load(V_WORDS), pt, alpha, acc)
