@@ -730,8 +730,8 @@ DECODE_SHORT_TILE_MIN_SEQS = 160
 
 def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, num_seqs: int) -> dict:
     """Tile sizes for the split-KV decode kernel (memory-bound: K/V tiles in flight matter),
-    for a batch of num_seqs queries of `dtype` over a cache of `cache_dtype`, and how many
-    programs a launch aims to have per SM (programs_per_sm, for decode_num_splits).
+    for a batch of num_seqs queries of `dtype` over a cache of `cache_dtype`, and the split
+    target for decode_num_splits: programs_per_sm (a wave of programs) and waves.
 
     Tuned for D=128 on an H200 over W1's decode batches (benchmarks/kernels/decode_w1.py).
     A 16-bit cache, per batch size: with few sequences (several splits per context, or few
@@ -740,7 +740,8 @@ def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, n
     two stages, 4 warps; from DECODE_SHORT_TILE_MIN_SEQS sequences 64-key tiles with 2 warps.
     An FP8 cache at D=128 under 16-bit queries on a GPU takes kernels/fp8_decode.py, faster
     on every W1 batch size (one-warp programs, keys-major, no shared-memory round trip between
-    the loads and the tensor cores): {"fp8_decode": True}. Elsewhere (other head sizes,
+    the loads and the tensor cores): {"fp8_decode": True}, aiming for fp8_decode.SPLIT_WAVES
+    waves where a launch's contexts fill less than about one. Elsewhere (other head sizes,
     Triton's interpreter) an FP8 tile costs more instructions per byte (the widening), so one
     warp, free of cross-warp reductions, with 32-key tiles and five stages is fastest at every W1
     batch size, its splits chosen to fill an SM with them. (Triton shares a loop's stages
