@@ -83,8 +83,9 @@ class TritonAttentionBackend:
             device = torch.device(device if device is not None else "cuda")
             num_sms = self._sm_count(device)
             # Over all batch sizes the split heuristic can see (max_seq_len unbounded, the
-            # most programs per SM any decode tiles aim for), the largest batch * splits
-            # product bounds every decode step's workspace.
+            # most programs per SM and the most waves any decode tiles aim for: splits only
+            # grow with either), the largest batch * splits product bounds every decode
+            # step's workspace.
             # A cascade step adds the prefix splits, most with the fewest row tiles: tiles of
             # 128 rows, the largest shared_prefix_config() picks.
             gqa = num_q_heads // num_kv_heads
