@@ -204,14 +204,20 @@ def test_decode_num_splits():
 
 
 def test_decode_num_splits_by_waves():
-    # Contexts filling 1.25 waves (9 programs an SM on 132 SMs) are not split; below that a
+    # Contexts filling 1.2 waves (9 programs an SM on 132 SMs) are not split; below that a
     # launch aiming for 2.5 waves splits them into ~2.5 waves, where one wave needed none.
     per_sm, waves = 9, 2.5
-    assert paged_attention.decode_num_splits(188, 8, 4096, 132, per_sm, waves=waves) == 1
+    assert paged_attention.decode_num_splits(183, 8, 4096, 132, per_sm, waves=waves) == 1
+    assert paged_attention.decode_num_splits(176, 8, 4096, 132, per_sm, waves=waves) == 3
     assert paged_attention.decode_num_splits(153, 8, 4096, 132, per_sm) == 1
     assert paged_attention.decode_num_splits(153, 8, 4096, 132, per_sm, waves=waves) == 3
     assert paged_attention.decode_num_splits(101, 8, 4096, 132, per_sm, waves=waves) == 4
     assert paged_attention.decode_num_splits(101, 8, 300, 132, per_sm, waves=waves) == 3  # 128-token splits
+    # Contexts filling less than 0.65 of a wave aim for 1.6 waves where asked (fp8_decode's).
+    few = dict(waves=waves, few_contexts=0.65, few_contexts_waves=1.6)
+    assert paged_attention.decode_num_splits(64, 8, 4096, 132, per_sm, waves=waves) == 6
+    assert paged_attention.decode_num_splits(64, 8, 4096, 132, per_sm, **few) == 4
+    assert paged_attention.decode_num_splits(101, 8, 4096, 132, per_sm, **few) == 4  # 0.68 of a wave: 2.5
 
 
 def test_bad_head_dim_is_rejected():

@@ -138,7 +138,8 @@ class TritonAttentionBackend:
         num_seqs, num_q_heads, head_dim = q.shape
         config = decode_config(head_dim, q.dtype, k_cache.dtype, num_seqs)
         num_splits = decode_num_splits(num_seqs, k_cache.shape[2], max_seq_len, self._sm_count(q.device),
-                                       config["programs_per_sm"], self.max_splits, config["waves"])
+                                       config["programs_per_sm"], self.max_splits, config["waves"],
+                                       config["few_contexts"], config["few_contexts_waves"])
         part_out = part_lse = None
         if num_splits > 1:
             part_out, part_lse = self._workspace(num_seqs * num_q_heads * num_splits, head_dim, q.device)

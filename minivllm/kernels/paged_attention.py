@@ -719,7 +719,7 @@ MOST_DECODE_PROGRAMS_PER_SM = max(DECODE_PROGRAMS_PER_SM, FP8_DECODE_ONE_WARP_PR
 MOST_DECODE_WAVES = fp8_decode.SPLIT_WAVES
 # From this many waves of contexts a launch splits none of them (the waves after the first
 # fill in as the first wave's programs end).
-DECODE_ONE_SPLIT_MIN_WAVES = 1.25
+DECODE_ONE_SPLIT_MIN_WAVES = 1.2
 DECODE_MIN_TOKENS_PER_SPLIT = 128  # a split shorter than this costs more than it saves
 DECODE_MAX_SPLITS = 32
 
@@ -731,7 +731,8 @@ DECODE_SHORT_TILE_MIN_SEQS = 160
 def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, num_seqs: int) -> dict:
     """Tile sizes for the split-KV decode kernel (memory-bound: K/V tiles in flight matter),
     for a batch of num_seqs queries of `dtype` over a cache of `cache_dtype`, and the split
-    target for decode_num_splits: programs_per_sm (a wave of programs) and waves.
+    target for decode_num_splits: programs_per_sm (a wave of programs), waves, and the waves
+    for fewer contexts than a few_contexts fraction of a wave (few_contexts_waves).
 
     Tuned for D=128 on an H200 over W1's decode batches (benchmarks/kernels/decode_w1.py).
     A 16-bit cache, per batch size: with few sequences (several splits per context, or few
@@ -741,7 +742,8 @@ def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, n
     An FP8 cache at D=128 under 16-bit queries on a GPU takes kernels/fp8_decode.py, faster
     on every W1 batch size (one-warp programs, keys-major, no shared-memory round trip between
     the loads and the tensor cores): {"fp8_decode": True}, aiming for fp8_decode.SPLIT_WAVES
-    waves where a launch's contexts fill less than about one. Elsewhere (other head sizes,
+    waves where a launch's contexts fill less than about one (and fewer waves for far fewer
+    contexts, fp8_decode.FEW_CONTEXTS_SPLIT_WAVES). Elsewhere (other head sizes,
     Triton's interpreter) an FP8 tile costs more instructions per byte (the widening), so one
     warp, free of cross-warp reductions, with 32-key tiles and five stages is fastest at every W1
     batch size, its splits chosen to fill an SM with them. (Triton shares a loop's stages
@@ -754,10 +756,12 @@ def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, n
     rows over 256 bytes (D=256, or fp32 at D=128) keep tiles of 16 KB of keys in q's dtype
     (not re-tuned; 8 KB read from an FP8 cache)."""
     if fp8_decode.supports(head_dim, dtype, cache_dtype) and not INTERPRET:
-        return dict(fp8_decode=True, programs_per_sm=fp8_decode.PROGRAMS_PER_SM, waves=fp8_decode.SPLIT_WAVES)
+        return dict(fp8_decode=True, programs_per_sm=fp8_decode.PROGRAMS_PER_SM, waves=fp8_decode.SPLIT_WAVES,
+                    few_contexts=fp8_decode.FEW_CONTEXTS_WAVES, few_contexts_waves=fp8_decode.FEW_CONTEXTS_SPLIT_WAVES)
+    one_wave = {"waves": 1.0, "few_contexts": 0.0, "few_contexts_waves": 1.0}
     if cache_dtype == torch.float8_e4m3fn and head_dim <= 128:
         return dict(BLOCK_N=32, num_warps=1, num_stages=5, programs_per_sm=FP8_DECODE_ONE_WARP_PROGRAMS_PER_SM,
-                    waves=1.0)
+                    **one_wave)
     row_bytes = head_dim * dtype.itemsize
     if row_bytes > 512:
         tiles = dict(BLOCK_N=16, num_warps=4, num_stages=2)
@@ -767,7 +771,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, n
         tiles = dict(BLOCK_N=64, num_warps=2, num_stages=2)
     else:
         tiles = dict(BLOCK_N=128, num_warps=4, num_stages=2)
-    return tiles | {"programs_per_sm": DECODE_PROGRAMS_PER_SM, "waves": 1.0}
+    return tiles | {"programs_per_sm": DECODE_PROGRAMS_PER_SM} | one_wave
 
 
 def decode_num_splits(
@@ -778,17 +782,22 @@ def decode_num_splits(
     programs_per_sm: int,
     max_splits: int = DECODE_MAX_SPLITS,
     waves: float = 1.0,
+    few_contexts: float = 0.0,
+    few_contexts_waves: float = 1.0,
 ) -> int:
     """How many programs share one (sequence, KV head) context. Depends only on host
     integers (the batch shape, max_seq_len, the GPU), never on device data, so a captured
     graph keeps a valid launch. A wave is programs_per_sm programs on every SM (the launch's
     decode_config() says how many, and how many waves it aims for). Contexts that fill
     DECODE_ONE_SPLIT_MIN_WAVES waves are not split; fewer are split into enough programs for
-    `waves` waves, but no split shorter than DECODE_MIN_TOKENS_PER_SPLIT tokens of max_seq_len."""
+    `waves` waves (few_contexts_waves where they fill less than a few_contexts fraction of a
+    wave), but no split shorter than DECODE_MIN_TOKENS_PER_SPLIT tokens of max_seq_len."""
     wave = programs_per_sm * num_sms
     num_contexts = num_seqs * num_kv_heads
     if num_contexts >= DECODE_ONE_SPLIT_MIN_WAVES * wave:
         return 1
+    if num_contexts < few_contexts * wave:
+        waves = few_contexts_waves
     return split_count(math.ceil(waves * wave), num_contexts, max_seq_len, DECODE_MIN_TOKENS_PER_SPLIT,
                        max_splits)
 
