@@ -213,11 +213,12 @@ def test_decode_num_splits_by_waves():
     assert paged_attention.decode_num_splits(153, 8, 4096, 132, per_sm, waves=waves) == 3
     assert paged_attention.decode_num_splits(101, 8, 4096, 132, per_sm, waves=waves) == 4
     assert paged_attention.decode_num_splits(101, 8, 300, 132, per_sm, waves=waves) == 3  # 128-token splits
-    # Contexts filling less than 0.65 of a wave aim for 1.6 waves where asked (fp8_decode's).
-    few = dict(waves=waves, few_contexts=0.65, few_contexts_waves=1.6)
+    # Contexts filling 0.25 to 0.65 of a wave aim for 1.6 waves where asked (fp8_decode's).
+    few = dict(waves=waves, few_contexts=(0.25, 0.65), few_contexts_waves=1.6)
     assert paged_attention.decode_num_splits(64, 8, 4096, 132, per_sm, waves=waves) == 6
     assert paged_attention.decode_num_splits(64, 8, 4096, 132, per_sm, **few) == 4
     assert paged_attention.decode_num_splits(101, 8, 4096, 132, per_sm, **few) == 4  # 0.68 of a wave: 2.5
+    assert paged_attention.decode_num_splits(24, 8, 4096, 132, per_sm, **few) == 16  # 0.16 of a wave: 2.5
 
 
 def test_bad_head_dim_is_rejected():

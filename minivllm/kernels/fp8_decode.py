@@ -35,11 +35,12 @@ PROGRAMS_PER_SM = 9  # 3 x 8 KB of K/V tiles a program: 9 fit an SM's shared mem
 # A launch of fewer contexts than about one wave of programs (PROGRAMS_PER_SM an SM) splits
 # them into this many waves (paged_attention.decode_num_splits): in a single wave the SMs'
 # one-warp programs end unevenly (contexts differ in length) and leave the SMs ever less
-# to stream. Contexts that fill less than FEW_CONTEXTS_WAVES of a wave are split into
+# to stream. Contexts that fill a fraction of a wave within FEW_CONTEXTS_WAVES are split into
 # FEW_CONTEXTS_SPLIT_WAVES waves: more splits there shorten each program's stream more than
-# they even out the launch's end (W1's decode steps of 45-93 sequences, in the engine's graphs).
+# they even out the launch's end (W1's decode steps of 45-93 sequences, in the engine's graphs;
+# at 19 sequences 2.5 waves stay faster).
 SPLIT_WAVES = 2.5
-FEW_CONTEXTS_WAVES = 0.65
+FEW_CONTEXTS_WAVES = (0.25, 0.65)
 FEW_CONTEXTS_SPLIT_WAVES = 1.6
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))

@@ -732,7 +732,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, n
     """Tile sizes for the split-KV decode kernel (memory-bound: K/V tiles in flight matter),
     for a batch of num_seqs queries of `dtype` over a cache of `cache_dtype`, and the split
     target for decode_num_splits: programs_per_sm (a wave of programs), waves, and the waves
-    for fewer contexts than a few_contexts fraction of a wave (few_contexts_waves).
+    (few_contexts_waves) for contexts filling a fraction of a wave within few_contexts.
 
     Tuned for D=128 on an H200 over W1's decode batches (benchmarks/kernels/decode_w1.py).
     A 16-bit cache, per batch size: with few sequences (several splits per context, or few
@@ -758,7 +758,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, n
     if fp8_decode.supports(head_dim, dtype, cache_dtype) and not INTERPRET:
         return dict(fp8_decode=True, programs_per_sm=fp8_decode.PROGRAMS_PER_SM, waves=fp8_decode.SPLIT_WAVES,
                     few_contexts=fp8_decode.FEW_CONTEXTS_WAVES, few_contexts_waves=fp8_decode.FEW_CONTEXTS_SPLIT_WAVES)
-    one_wave = {"waves": 1.0, "few_contexts": 0.0, "few_contexts_waves": 1.0}
+    one_wave = {"waves": 1.0, "few_contexts": (0.0, 0.0), "few_contexts_waves": 1.0}
     if cache_dtype == torch.float8_e4m3fn and head_dim <= 128:
         return dict(BLOCK_N=32, num_warps=1, num_stages=5, programs_per_sm=FP8_DECODE_ONE_WARP_PROGRAMS_PER_SM,
                     **one_wave)
@@ -782,7 +782,7 @@ def decode_num_splits(
     programs_per_sm: int,
     max_splits: int = DECODE_MAX_SPLITS,
     waves: float = 1.0,
-    few_contexts: float = 0.0,
+    few_contexts: tuple[float, float] = (0.0, 0.0),
     few_contexts_waves: float = 1.0,
 ) -> int:
     """How many programs share one (sequence, KV head) context. Depends only on host
@@ -790,13 +790,13 @@ def decode_num_splits(
     graph keeps a valid launch. A wave is programs_per_sm programs on every SM (the launch's
     decode_config() says how many, and how many waves it aims for). Contexts that fill
     DECODE_ONE_SPLIT_MIN_WAVES waves are not split; fewer are split into enough programs for
-    `waves` waves (few_contexts_waves where they fill less than a few_contexts fraction of a
-    wave), but no split shorter than DECODE_MIN_TOKENS_PER_SPLIT tokens of max_seq_len."""
+    `waves` waves (few_contexts_waves where they fill a fraction of a wave within the
+    few_contexts range [low, high)), but no split shorter than DECODE_MIN_TOKENS_PER_SPLIT tokens of max_seq_len."""
     wave = programs_per_sm * num_sms
     num_contexts = num_seqs * num_kv_heads
     if num_contexts >= DECODE_ONE_SPLIT_MIN_WAVES * wave:
         return 1
-    if num_contexts < few_contexts * wave:
+    if few_contexts[0] * wave <= num_contexts < few_contexts[1] * wave:
         waves = few_contexts_waves
     return split_count(math.ceil(waves * wave), num_contexts, max_seq_len, DECODE_MIN_TOKENS_PER_SPLIT,
                        max_splits)
