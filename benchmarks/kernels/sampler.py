@@ -1,7 +1,7 @@
 """Microbenchmark of random sampling: the old torch passes vs the Gumbel-max kernels (GPU only).
 
     python -m benchmarks.kernels.sampler            # the table (< 1 min)
-    python -m benchmarks.kernels.sampler --sweep    # also try other chunk sizes and warp counts
+    python -m benchmarks.kernels.sampler --sweep    # also try other chunk sizes, warp counts, chunks a program
 
 Logits [B, V] in bf16 (the lm head's dtype), V = 151,936 (Qwen3's vocabulary), B = 1, 64,
 256; every row random with temperature 0.6 (W1's sampling). Variants:
@@ -79,18 +79,21 @@ def table(peak: float) -> None:
 
 
 def sweep() -> None:
-    """The kernels (bf16, with T) with other chunk sizes and warp counts (monkeypatched)."""
+    """The kernels (bf16, with T) with other chunk sizes, warp counts and chunks a first-pass
+    program (monkeypatched)."""
     print("\n== sweep (kernels only), do_bench us")
-    original = sampling._CHUNK, sampling._NUM_WARPS
+    original = sampling._CHUNK, sampling._NUM_WARPS, sampling._CHUNKS_PER_PROGRAM
     try:
         for num_rows in SIZES:
             fn, _ = variants(num_rows)["kernel"]
             for chunk in (1024, 2048, 4096, 8192):
                 for warps in (4, 8):
-                    sampling._CHUNK, sampling._NUM_WARPS = chunk, warps
-                    print(f"   B={num_rows:4d} CHUNK={chunk:5d} warps={warps}: {time_us(fn):7.1f}", flush=True)
+                    for per_program in (1, 3, 5):
+                        sampling._CHUNK, sampling._NUM_WARPS, sampling._CHUNKS_PER_PROGRAM = chunk, warps, per_program
+                        print(f"   B={num_rows:4d} CHUNK={chunk:5d} warps={warps} chunks a program={per_program}: "
+                              f"{time_us(fn):7.1f}", flush=True)
     finally:
-        sampling._CHUNK, sampling._NUM_WARPS = original
+        sampling._CHUNK, sampling._NUM_WARPS, sampling._CHUNKS_PER_PROGRAM = original
 
 
 def main() -> None:

@@ -55,6 +55,10 @@ from minivllm.kernels import INTERPRETED, cdiv, next_power_of_2
 # whatever the batch, so that a row's sample never depends on what else is in it.
 _CHUNK = 2048
 _NUM_WARPS = 4  # 16 tokens per thread in either pass
+# Chunks a first-pass program scores in turn: a third of the programs, each loading its row's
+# seed and temperature once. At 64-256 rows 5-12 % faster than a program a chunk on an H200,
+# 7 % slower at 16 (docs/perf-log.md, session 44); 5 or 8 a program were no faster.
+_CHUNKS_PER_PROGRAM = 3
 
 
 @triton.jit
@@ -88,25 +92,29 @@ def _chunk_scores_kernel(
     vocab_size, num_chunks,
     HAS_TEMPERATURE: tl.constexpr,
     CHUNK: tl.constexpr,
+    CHUNKS_PER_PROGRAM: tl.constexpr,
 ):
-    """First pass, one program per (row, chunk): the chunk's score logsumexp(logits / T)
-    + G, with G the chunk's own Gumbel noise (word 0 of counter (chunk, 1))."""
+    """First pass, one program per row and CHUNKS_PER_PROGRAM chunks: each chunk's score
+    logsumexp(logits / T) + G, with G the chunk's own Gumbel noise (word 0 of counter (chunk, 1))."""
     row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab_size,
-                other=float("-inf")).to(tl.float32)
     if HAS_TEMPERATURE:
-        x = x * (1.4426950408889634 / tl.load(temperature_ptr + row))  # log2(e) / T: base 2
+        scale = 1.4426950408889634 / tl.load(temperature_ptr + row)  # log2(e) / T: base 2
     else:
-        x = x * 1.4426950408889634
-    top = tl.max(x, axis=0)
-    # An all -inf chunk sums to 0 (its log is -inf), a +inf logit to +inf: either way the
-    # reference point must be finite, or x - top would be NaN.
-    ref = tl.where(tl.abs(top) == float("inf"), 0.0, top)
-    lse = 0.6931471805599453 * (ref + tl.log2(tl.sum(tl.exp2(x - ref), axis=0)))
-    r0, _, _, _ = tl.randint4x(tl.load(seeds_ptr + row), chunk.to(tl.int64) + (1 << 32))
-    tl.store(scores_ptr + row * num_chunks + chunk, lse + _gumbel_noise(r0))
+        scale = 1.4426950408889634
+    seed = tl.load(seeds_ptr + row)
+    for i in tl.range(0, CHUNKS_PER_PROGRAM, num_stages=2):
+        chunk = tl.program_id(1) * CHUNKS_PER_PROGRAM + i
+        if chunk < num_chunks:
+            cols = chunk * CHUNK + tl.arange(0, CHUNK)
+            x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab_size,
+                        other=float("-inf")).to(tl.float32) * scale
+            top = tl.max(x, axis=0)
+            # An all -inf chunk sums to 0 (its log is -inf), a +inf logit to +inf: either way the
+            # reference point must be finite, or x - top would be NaN.
+            ref = tl.where(tl.abs(top) == float("inf"), 0.0, top)
+            lse = 0.6931471805599453 * (ref + tl.log2(tl.sum(tl.exp2(x - ref), axis=0)))
+            r0, _, _, _ = tl.randint4x(seed, chunk.to(tl.int64) + (1 << 32))
+            tl.store(scores_ptr + row * num_chunks + chunk, lse + _gumbel_noise(r0))
 
 
 @triton.jit
@@ -172,8 +180,9 @@ def gumbel_max_sample(logits: torch.Tensor, seeds: torch.Tensor,
     scores = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
     temperature_arg = temperature if temperature is not None else logits  # (unread placeholder)
     common = dict(HAS_TEMPERATURE=temperature is not None, CHUNK=_CHUNK, num_warps=_NUM_WARPS)
-    _chunk_scores_kernel[(num_rows, num_chunks)](
-        logits, logits.stride(0), temperature_arg, seeds, scores, vocab_size, num_chunks, **common)
+    _chunk_scores_kernel[(num_rows, cdiv(num_chunks, _CHUNKS_PER_PROGRAM))](
+        logits, logits.stride(0), temperature_arg, seeds, scores, vocab_size, num_chunks,
+        CHUNKS_PER_PROGRAM=_CHUNKS_PER_PROGRAM, **common)
     _sample_in_chunk_kernel[(num_rows,)](
         logits, logits.stride(0), temperature_arg, seeds, scores, out, vocab_size, num_chunks,
         CHUNKS_POW2=next_power_of_2(num_chunks), **common)
