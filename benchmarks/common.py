@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -250,6 +251,14 @@ def timed_generate(llm: Any, requests: list[Request], temperature: float) -> dic
         outputs = llm.generate(prompts, params, use_tqdm=False)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return throughput_metrics(requests, output_tokens, t.seconds)
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several timed runs' summary: the median run's metrics (the lower middle of an even
+    count), with output_tok_s the median over the runs and output_tok_s_runs every run's."""
+    tok_s = [run["output_tok_s"] for run in runs]
+    middle = sorted(runs, key=lambda run: run["output_tok_s"])[(len(runs) - 1) // 2]
+    return middle | {"output_tok_s": statistics.median(tok_s), "output_tok_s_runs": tok_s}
 
 
 def engine_stats(llm: Any) -> dict[str, int]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 from typing import Any
 
 from benchmarks.common import (
@@ -28,6 +27,7 @@ from benchmarks.common import (
     engine_stats,
     free_memory,
     make_llm,
+    median_run,
     random_prompt,
     record_step_kinds,
     report,
@@ -85,10 +85,7 @@ def run_engine(args: argparse.Namespace, spec: ModelSpec, caching: bool) -> dict
     shutdown_llm(llm)
     del llm
     free_memory()
-    tok_s = [run["output_tok_s"] for run in runs]
-    median_run = sorted(runs, key=lambda run: run["output_tok_s"])[(len(runs) - 1) // 2]
-    return (median_run | started | step_breakdown
-            | {"output_tok_s": statistics.median(tok_s), "output_tok_s_runs": tok_s})
+    return median_run(runs) | started | step_breakdown
 
 
 def main() -> None:

@@ -4,9 +4,11 @@
     python -m benchmarks.throughput --model qwen3-0.6b --backend hf    # transformers baseline
     python -m benchmarks.throughput --model /path/tiny --scale 0.02    # CPU smoke run
     python -m benchmarks.throughput --model qwen3-0.6b --step-breakdown  # where the time goes
+    python -m benchmarks.throughput --model qwen3-0.6b --repeats 3       # the median of 3 runs
 
 Start-up (construction: load, profile, graph capture) is timed apart from generate().
---step-breakdown also sums the time between successive step launches by kind of step (prefill
+--repeats N times N runs on one engine (the prefix cache reset between them) and reports the
+median. --step-breakdown also sums the time between successive step launches by kind of step (prefill
 or mixed; decode by batch size), and each step's device time. With the device the bottleneck,
 the engine launches a step as soon as the one before it finished, so these intervals are the
 steps' durations; an interval longer than its step's device time is the device waiting.
@@ -30,6 +32,7 @@ from benchmarks.common import (
     add_common_args,
     engine_stats,
     make_llm,
+    median_run,
     record_step_kinds,
     report,
     resolve_model,
@@ -45,16 +48,23 @@ from benchmarks.common import (
 
 
 def run_minivllm(args: argparse.Namespace, spec: ModelSpec, requests: list[Request]) -> dict[str, Any]:
+    """A warmed-up engine's --repeats timed runs of the requests: the run's metrics, or the
+    median run's with every run's tok/s. Between runs the prefix cache is reset, so that each
+    run finds none of the last one's prompts cached and gets its pages in the same order."""
     llm, startup = make_llm(args, spec)
     warmup_llm(llm, spec.vocab_size)
-    before = engine_stats(llm)
-    breakdown = record_step_kinds(llm) if args.step_breakdown else None
-    metrics = timed_generate(llm, requests, W1_TEMPERATURE)
-    preemptions = stats_delta(before, engine_stats(llm), ("num_preemptions",))
+    runs = []
+    for repeat in range(args.repeats):
+        if repeat and not llm.reset_prefix_cache():
+            raise RuntimeError("the engine still holds KV blocks after generate(): a run's requests leaked")
+        before = engine_stats(llm)
+        breakdown = record_step_kinds(llm) if args.step_breakdown else None
+        metrics = timed_generate(llm, requests, W1_TEMPERATURE)
+        if breakdown is not None:
+            metrics["step_breakdown"] = breakdown()
+        runs.append(metrics | stats_delta(before, engine_stats(llm), ("num_preemptions",)))
     shutdown_llm(llm)
-    if breakdown is not None:
-        metrics["step_breakdown"] = breakdown()
-    return metrics | startup_metrics(llm, startup) | preemptions
+    return (median_run(runs) if len(runs) > 1 else runs[0]) | startup_metrics(llm, startup)
 
 
 # ------------------------------------------------------------------ transformers baseline
@@ -198,7 +208,11 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=64, help="hf static mode: requests per batch")
     parser.add_argument("--step-breakdown", action="store_true",
                         help="minivllm: time per kind of step (prefill/mixed, decode by batch size)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="minivllm: timed runs on one engine (the median is reported, with every run's tok/s)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
 
     spec = resolve_model(args.model, args.load_format)
     requests = w1_requests(args.num_prompts, args.scale, spec.vocab_size)

@@ -25,6 +25,11 @@ class LLM:
         """Stop the engine's tensor-parallel worker processes (a no-op without them)."""
         self._finalizer()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt block, as vLLM's LLM.reset_prefix_cache (after the weights
+        change, or between a benchmark's runs). Only between generate() calls: True if reset."""
+        return self.llm_engine.reset_prefix_cache()
+
     def get_tokenizer(self):  # noqa: ANN201 (a transformers tokenizer)
         return self.llm_engine.tokenizer
 

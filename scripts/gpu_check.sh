@@ -7,8 +7,8 @@
 #
 # Steps (GPU_CHECK, comma-separated; default "all"):
 #   tests  python3 -m pytest -m gpu -v tests (one line per test: a step cut by STEP_TIMEOUT still shows progress)
-#   w1     W1 throughput, qwen3-0.6b, time per kind of step           (~1 min incl. start-up)
-#   w1_fp8 W1 throughput, qwen3-0.6b, FP8 KV cache                     (~1 min)
+#   w1     W1 throughput, qwen3-0.6b, time per kind of step, median of 3 runs on one engine (~1 min incl. start-up)
+#   w1_fp8 W1 throughput, qwen3-0.6b, FP8 KV cache, median of 3 runs   (~1 min)
 #   w5     W1's requests on qwen3-30b-a3b (MoE, dummy weights)        (~2-3 min)
 #   moe    fused_moe.py at Qwen3-30B-A3B's expert shapes, with the tile sweep (~1.5 min)
 #   fp8    decode attention on W1's batches over an FP8 cache, split and tile sweep (~3 min)
@@ -121,8 +121,8 @@ for step in ${GPU_CHECK//,/ }; do
         # (its thread method: a signal cannot interrupt a thread blocked in NCCL).
         tp)    run_step tp_tests python3 -m pytest -m gpu -v -s --timeout=$((STEP_TIMEOUT - 30)) --timeout-method=thread --tb=short \
                    -p no:cacheprovider tests/test_tensor_parallel.py ;;
-        w1)    bench w1 throughput.py --model qwen3-0.6b --step-breakdown ;;
-        w1_fp8) bench w1_fp8 throughput.py --model qwen3-0.6b --kv-cache-dtype fp8 ;;
+        w1)    bench w1 throughput.py --model qwen3-0.6b --step-breakdown --repeats 3 ;;
+        w1_fp8) bench w1_fp8 throughput.py --model qwen3-0.6b --kv-cache-dtype fp8 --repeats 3 ;;
         w2)    bench w2 latency.py --model qwen3-0.6b ;;
         w3)    bench w3 prefix_cache.py --model qwen3-0.6b --step-breakdown ;;
         w5)    bench w5 throughput.py --model qwen3-30b-a3b --step-breakdown ;;

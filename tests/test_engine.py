@@ -55,6 +55,18 @@ def test_block_multiple_prompt_fully_cached(llm: LLM, model_dir: str) -> None:
     assert llm.llm_engine.stats()["prefix_cache_hits"] - hits_before == 2 * BLOCK_SIZE
 
 
+def test_reset_prefix_cache(llm: LLM, model_dir: str) -> None:
+    """After LLM.reset_prefix_cache a prompt run before finds nothing cached, and its output
+    is unchanged."""
+    prompt = random_prompt(3 * BLOCK_SIZE, seed=4)
+    want = hf_greedy(model_dir, prompt, 4)[0]
+    llm.generate({"prompt_token_ids": prompt}, greedy(4), use_tqdm=False)
+    assert llm.reset_prefix_cache()
+    assert_all_blocks_free(llm.llm_engine)
+    out = llm.generate({"prompt_token_ids": prompt}, greedy(4), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0 and list(out.outputs[0].token_ids) == want
+
+
 def test_identical_prompts_in_one_step(llm: LLM, model_dir: str) -> None:
     prompt = random_prompt(2 * BLOCK_SIZE + 3, seed=2)
     want = hf_greedy(model_dir, prompt, 5)[0]

@@ -186,3 +186,16 @@ def test_a_shared_prefix_is_hashed_once(monkeypatch) -> None:
         seq = make_seq(prefix + [i] * (3 * BLOCK_SIZE))
         assert kv.find_cached_prefix(seq) == []  # nothing computed yet: no hits, only hashes
     assert hashed == [22, 2, 2, 2]  # 22 full blocks before the last token; then only the own ones
+
+
+def test_reset_prefix_cache_only_when_idle() -> None:
+    kv = KVCacheManager(8, BLOCK_SIZE, enable_prefix_caching=True)
+    seq = make_seq(list(range(9)))
+    assert admit(kv, seq)
+    assert not kv.reset_prefix_cache()  # a sequence holds blocks: nothing changes
+    kv.free(seq)
+    assert len(kv.find_cached_prefix(make_seq(list(range(9))))) == 2
+    assert kv.reset_prefix_cache()
+    assert kv.find_cached_prefix(make_seq(list(range(9)))) == []
+    assert list(kv.free_queue) == list(range(8))  # handed out in block order again, as a new pool
+    check_invariants(kv, [])

@@ -38,19 +38,32 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.ref_counts = [0] * num_blocks
+        self._empty_pool()
+        # Prefix-cache statistics, in tokens.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    def _empty_pool(self) -> None:
+        """Every block free, in block order, nothing cached."""
+        self.ref_counts = [0] * self.num_blocks
         # Blocks with ref count 0, in eviction order (front = evicted first).
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.block_hashes: list[bytes | None] = [None] * num_blocks
-        self.block_token_ids: list[list[int] | None] = [None] * num_blocks
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_blocks))
+        self.block_hashes: list[bytes | None] = [None] * self.num_blocks
+        self.block_token_ids: list[list[int] | None] = [None] * self.num_blocks
         self.cached_blocks: dict[bytes, int] = {}
         # The sequence whose block hashes were chained last. Requests that arrive together
         # often share a prefix (a system prompt, a document): each copies the hashes of the
         # blocks it has in common with this one instead of hashing them again.
         self._last_hashed: Sequence | None = None
-        # Prefix-cache statistics, in tokens.
-        self.prefix_queries = 0
-        self.prefix_hits = 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache): only while no sequence holds
+        one; False, changing nothing, otherwise. The pool is then as new, its blocks handed
+        out in block order again (so a benchmark's next run gets the pages its first run got)."""
+        if self.num_free_blocks < self.num_blocks:
+            return False
+        self._empty_pool()
+        return True
 
     @property
     def num_free_blocks(self) -> int:

@@ -173,6 +173,10 @@ class LLMEngine:
                 "num_blocks": kv.num_blocks, "num_running": len(self.scheduler.running),
                 "num_waiting": len(self.scheduler.waiting)}
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache; False (and nothing forgotten) while requests hold blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any, and hand the start-up heap back to the
         garbage collector (so that a deleted engine's cycles are freed), at its former
