@@ -12,8 +12,8 @@ from benchmarks import throughput
 def test_repeats_report_the_median_of_uncached_runs(tiny_model_factory, tmp_path, monkeypatch) -> None:
     model = tiny_model_factory("Qwen3ForCausalLM")
     out = tmp_path / "w1.jsonl"
-    monkeypatch.setattr(sys, "argv", ["throughput", "--model", model, "--scale", "0.02", "--repeats", "3", "--block-size", "8",
-                                      "--json-out", str(out)])
+    monkeypatch.setattr(sys, "argv", ["throughput", "--model", model, "--scale", "0.02", "--repeats", "3",
+                                      "--block-size", "8", "--json-out", str(out)])
     hits = []
     timed_generate = throughput.timed_generate
 

@@ -791,7 +791,8 @@ def decode_num_splits(
     decode_config() says how many, and how many waves it aims for). Contexts that fill
     DECODE_ONE_SPLIT_MIN_WAVES waves are not split; fewer are split into enough programs for
     `waves` waves (few_contexts_waves where they fill a fraction of a wave within the
-    few_contexts range [low, high)), but no split shorter than DECODE_MIN_TOKENS_PER_SPLIT tokens of max_seq_len."""
+    few_contexts range [low, high)), but no split shorter than DECODE_MIN_TOKENS_PER_SPLIT
+    tokens of max_seq_len."""
     wave = programs_per_sm * num_sms
     num_contexts = num_seqs * num_kv_heads
     if num_contexts >= DECODE_ONE_SPLIT_MIN_WAVES * wave:

@@ -56,8 +56,8 @@ from minivllm.kernels import INTERPRETED, cdiv, next_power_of_2
 _CHUNK = 2048
 _NUM_WARPS = 4  # 16 tokens per thread in either pass
 # Chunks a first-pass program scores in turn: a third of the programs, each loading its row's
-# seed and temperature once. At 64-256 rows 5-12 % faster than a program a chunk on an H200,
-# 7 % slower at 16 (docs/perf-log.md, session 44); 5 or 8 a program were no faster.
+# seed and temperature once. Faster than a program a chunk at 64-256 rows on an H200, a little
+# slower at 16; 5 or 8 a program were no faster (docs/perf-log.md).
 _CHUNKS_PER_PROGRAM = 3
 
 
