@@ -57,9 +57,8 @@ def bench_decode(name, seq_lens, sweep):
     kv_bytes = sum(seq_lens) * HKV * D * 2 * k_cache.element_size()  # K and V, every head
     sms = sm_count(torch.device("cuda", 0))
     default_cfg = pa.decode_config(D, DTYPE, DTYPE, batch)
-    default_splits = pa.decode_num_splits(batch, HKV, max(seq_lens), sms, default_cfg["programs_per_sm"])
-    graph_splits = pa.decode_num_splits(  # as captured: max_model_len
-        batch, HKV, 4096, sms, default_cfg["programs_per_sm"])
+    default_splits = pa.decode_num_splits_for(default_cfg, batch, HKV, max(seq_lens), sms)
+    graph_splits = pa.decode_num_splits_for(default_cfg, batch, HKV, 4096, sms)  # as captured: max_model_len
     print(f"\n== decode {name}: batch {batch}, context total {sum(seq_lens)} "
           f"(mean {sum(seq_lens) / batch:.0f}), K+V bytes {kv_bytes / 1e6:.1f} MB", flush=True)
     print(f"   heuristic splits: {default_splits} (max_seq_len = batch max), "

@@ -10,7 +10,7 @@ decode steps, without the sampling and the host's work around it. Unlike decode_
 attention launch at a time) this sees what the launches around the attention and PDL make of it.
 
 --splits N captures the graphs with N splits in every decode attention launch instead of
-paged_attention.decode_num_splits' count: how that heuristic is tuned.
+paged_attention.decode_num_splits_for's count: how that heuristic is tuned.
 
     python -m benchmarks.kernels.decode_graphs --kv-cache-dtype fp8 [--every 50] [--splits 3]
 """
@@ -35,7 +35,7 @@ def main() -> None:
     if args.splits is not None:
         from minivllm.attention import triton_backend
 
-        triton_backend.decode_num_splits = lambda *_, **__: args.splits
+        triton_backend.decode_num_splits_for = lambda *_, **__: args.splits
     llm, _ = make_llm(args, resolve_model(args.model), max_num_seqs=256)
     runner = llm.llm_engine.model_runner
     graphs = runner.graphs
@@ -44,7 +44,7 @@ def main() -> None:
     gen = random.Random(0)
     total_ms = 0.0
     print(f"GPU: {torch.cuda.get_device_name()}; KV cache {args.kv_cache_dtype or 'auto'}; "
-          f"splits {args.splits or 'decode_num_splits'}; median ms a step", flush=True)
+          f"splits {args.splits or 'decode_num_splits_for'}; median ms a step", flush=True)
     with torch.inference_mode():
         for step, seq_lens in w1_decode_batches(args.every):
             seq_lens = sorted(seq_lens, reverse=True)

@@ -176,10 +176,7 @@ def run(every: int, chosen: dict[str, Variant], kv_dtype: torch.dtype) -> None:
     for step, seq_lens in w1_decode_batches(every):
         padded = next(s for s in sizes if s >= len(seq_lens))
         engine_cfg = pa.decode_config(D, DTYPE, kv_dtype, padded)
-        splits = pa.decode_num_splits(padded, HKV, DEFAULT_MAX_MODEL_LEN, sms,  # as the engine's graph
-                                      engine_cfg["programs_per_sm"], waves=engine_cfg["waves"],
-                                      few_contexts=engine_cfg["few_contexts"],
-                                      few_contexts_waves=engine_cfg["few_contexts_waves"])
+        splits = pa.decode_num_splits_for(engine_cfg, padded, HKV, DEFAULT_MAX_MODEL_LEN, sms)  # as the engine's graph
         layer_bytes = kv_bytes(sum(seq_lens), kv_dtype)
         cells = []
         times = {}

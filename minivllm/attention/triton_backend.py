@@ -39,6 +39,7 @@ from minivllm.kernels.paged_attention import (
     MOST_DECODE_WAVES,
     decode_config,
     decode_num_splits,
+    decode_num_splits_for,
     paged_attention_decode,
     paged_attention_decode_shared_prefix,
     paged_attention_mixed,
@@ -137,9 +138,8 @@ class TritonAttentionBackend:
                                               num_shared_prefix_blocks, scale, out)
         num_seqs, num_q_heads, head_dim = q.shape
         config = decode_config(head_dim, q.dtype, k_cache.dtype, num_seqs)
-        num_splits = decode_num_splits(num_seqs, k_cache.shape[2], max_seq_len, self._sm_count(q.device),
-                                       config["programs_per_sm"], self.max_splits, config["waves"],
-                                       config["few_contexts"], config["few_contexts_waves"])
+        num_splits = decode_num_splits_for(config, num_seqs, k_cache.shape[2], max_seq_len, self._sm_count(q.device),
+                                           self.max_splits)
         part_out = part_lse = None
         if num_splits > 1:
             part_out, part_lse = self._workspace(num_seqs * num_q_heads * num_splits, head_dim, q.device)

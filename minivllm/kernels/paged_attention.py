@@ -716,7 +716,7 @@ DECODE_PROGRAMS_PER_SM = 3
 FP8_DECODE_ONE_WARP_PROGRAMS_PER_SM = 7
 MOST_DECODE_PROGRAMS_PER_SM = max(DECODE_PROGRAMS_PER_SM, FP8_DECODE_ONE_WARP_PROGRAMS_PER_SM,
                                   fp8_decode.PROGRAMS_PER_SM)
-MOST_DECODE_WAVES = fp8_decode.SPLIT_WAVES
+MOST_DECODE_WAVES = max(1.0, fp8_decode.SPLIT_WAVES, fp8_decode.FEW_CONTEXTS_SPLIT_WAVES)
 # From this many waves of contexts a launch splits none of them (the waves after the first
 # fill in as the first wave's programs end).
 DECODE_ONE_SPLIT_MIN_WAVES = 1.2
@@ -801,6 +801,13 @@ def decode_num_splits(
         waves = few_contexts_waves
     return split_count(math.ceil(waves * wave), num_contexts, max_seq_len, DECODE_MIN_TOKENS_PER_SPLIT,
                        max_splits)
+
+
+def decode_num_splits_for(config: dict, num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
+                          max_splits: int = DECODE_MAX_SPLITS) -> int:
+    """decode_num_splits for a launch with decode_config's `config` (its programs an SM and waves)."""
+    return decode_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms, config["programs_per_sm"], max_splits,
+                             config["waves"], config["few_contexts"], config["few_contexts_waves"])
 
 
 def paged_attention_decode(
