@@ -153,12 +153,12 @@ def _attend_values(v_w, pt, alpha, acc):
     return mma_v2(gl.convert_layout(vt, A_OP), pt, acc * alpha[None, :])
 
 
-@gluon.jit(do_not_specialize=["num_splits", "num_parts"])
+@gluon.jit(do_not_specialize=["num_splits"])
 def _fp8_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr,
-    out_ptr,  # [B, Hq, D], written directly when num_parts == 1
-    part_out_ptr,  # [B, Hq, num_parts, D] fp32: each split's normalised output
-    part_lse_ptr,  # [B, Hq, num_parts] fp32: each split's log2-sum-exp2 of scores
+    out_ptr,  # [B, Hq, D], written directly when num_splits == 1
+    part_out_ptr,  # [B, Hq, num_splits, D] fp32: each split's normalised output
+    part_lse_ptr,  # [B, Hq, num_splits] fp32: each split's log2-sum-exp2 of scores
     seq_lens_ptr, block_tables_ptr,
     scale_log2,
     num_q_heads,
@@ -167,7 +167,6 @@ def _fp8_decode_kernel(
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     num_splits,
-    num_parts,  # num_splits, or 1
     GQA: gl.constexpr,
     QUERY_ROWS: gl.constexpr,  # GQA padded to a power of two >= 8 (mma's N)
     BLOCK_SIZE: gl.constexpr,
@@ -260,11 +259,11 @@ def _fp8_decode_kernel(
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ROWS))
     row_valid = rows < GQA
     head = kv_head * GQA + rows
-    if num_parts == 1:
+    if num_splits == 1:
         o_ptrs = out_ptr + (seq.to(gl.int64) * stride_on + head * stride_oh)[:, None] + dims[None, :]
         gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
     else:
-        part = (seq * num_q_heads + head) * num_parts + split
+        part = (seq * num_q_heads + head) * num_splits + split
         gl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=row_valid[:, None])
         lse = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
         gl.store(part_lse_ptr + part, gl.convert_layout(lse, gl.SliceLayout(1, ROWS)), mask=row_valid)
@@ -292,6 +291,6 @@ def launch_fp8_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         scale_log2, num_q_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        num_splits, num_splits,
+        num_splits,
         GQA=gqa, QUERY_ROWS=max(8, next_power_of_2(gqa)), BLOCK_SIZE=block_size,
         **pdl_options(q.device), num_warps=1)
