@@ -223,6 +223,14 @@ def test_qk_norm_rope_store(dtype, qk_norm, num_tokens, hq, hkv, head_dim, rando
     AttentionInputs(num_tokens, hq, hkv, head_dim, dtype, qk_norm, random_table).check()
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_qk_norm_rope_store_several_tokens_a_program(monkeypatch, qk_norm):
+    """Prompt-sized launches give each program several tokens, the last program fewer."""
+    monkeypatch.setattr(fused_ops, "QK_ONE_TOKEN_MAX_TOKENS", 2)
+    assert fused_ops.qk_tokens_per_program(7) == fused_ops.QK_TOKENS_PER_PROGRAM == 4
+    AttentionInputs(7, 6, 2, 16, torch.float32, qk_norm).check()
+
+
 def test_qk_norm_rope_store_int32_positions_and_one_sided_norm_rejected():
     inputs = AttentionInputs(3, 4, 2, 8, torch.float32, qk_norm=False)
     inputs.positions = inputs.positions.int()  # int32 accepted
@@ -289,8 +297,9 @@ def test_gpu_norms_realistic(dtype, hidden, num_tokens):
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8)])
 def test_gpu_qk_norm_rope_store_realistic(dtype, qk_norm, hq, hkv):
-    """Qwen3-0.6B / -8B attention inputs (head_dim 128), 3,000 tokens, positions up to 40,960."""
-    AttentionInputs(3000, hq, hkv, 128, dtype, qk_norm, block_size=16, max_pos=40960).check()
+    """Qwen3-0.6B / -8B attention inputs (head_dim 128), 3,001 tokens (several a program, the
+    last program one), positions up to 40,960."""
+    AttentionInputs(3001, hq, hkv, 128, dtype, qk_norm, block_size=16, max_pos=40960).check()
 
 
 @pytest.mark.gpu

@@ -250,25 +250,16 @@ def _norm_rope_heads(ptr, stride_h, norm_weight_ptr, eps, cos1, cos2, sin1, sin2
 
 
 @triton.jit
-def _qk_norm_rope_store_kernel(
-    positions_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr,
-    k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    eps,
-    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-    stride_cp, stride_cs,  # cos_sin [max_pos, 2, D]: position, cos/sin
-    stride_cb, stride_co, stride_ch,  # cache [blocks, block_size, Hkv, D]: block, offset, head
-    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
-    QK_NORM: tl.constexpr,
-    FP8_CACHE: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+def _qk_norm_rope_store_token(
+    tok, positions_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr,
+    k_cache_ptr, v_cache_ptr, slot_mapping_ptr, eps,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_cp, stride_cs,
+    stride_cb, stride_co, stride_ch,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr,
+    FP8_CACHE: tl.constexpr, WAIT: tl.constexpr,
 ):
-    # Two programs per token, each loading its cos/sin row: one for the q heads, one for k
-    # and v (the step's latency is two short chains side by side rather than one long one);
-    # q, k and v are each read once and q written once, k and v go straight to the cache.
-    tok = tl.program_id(0).to(tl.int64)  # int64: N * stride can pass 2**31
+    """Token tok's share of the kernel: its q heads (program_id(1) == 0) or its k and v."""
     pos = tl.load(positions_ptr + tok).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
     dmask = d < HALF
@@ -281,7 +272,7 @@ def _qk_norm_rope_store_kernel(
     sin1 = tl.load(row + stride_cs + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
     sin2 = tl.load(row + stride_cs + HALF + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)  # int64: caches can pass 2**31 elements
-    wait_for_previous_kernel(PDL)  # positions, cos/sin and slots are the step's inputs; q, k, v are not
+    wait_for_previous_kernel(WAIT)  # positions, cos/sin and slots are the step's inputs; q, k, v are not
 
     if tl.program_id(1) == 0:
         q1, q2 = _norm_rope_heads(q_ptr + tok * stride_qn, stride_qh, q_weight_ptr, eps, cos1, cos2, sin1, sin2,
@@ -296,6 +287,52 @@ def _qk_norm_rope_store_kernel(
         v1, v2 = _to_cache_dtype(v1, v_cache_ptr, FP8_CACHE), _to_cache_dtype(v2, v_cache_ptr, FP8_CACHE)
         _store_halves(k_cache_ptr + dst, stride_ch, k1, k2, NUM_KV_HEADS, HALF, BLOCK_HKV, BLOCK_HALF)
         _store_halves(v_cache_ptr + dst, stride_ch, v1, v2, NUM_KV_HEADS, HALF, BLOCK_HKV, BLOCK_HALF)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _qk_norm_rope_store_kernel(
+    positions_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr,
+    k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    eps,
+    num_tokens,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_cp, stride_cs,  # cos_sin [max_pos, 2, D]: position, cos/sin
+    stride_cb, stride_co, stride_ch,  # cache [blocks, block_size, Hkv, D]: block, offset, head
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    QK_NORM: tl.constexpr,
+    FP8_CACHE: tl.constexpr,
+    TOKENS_PER_PROGRAM: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+):
+    # Two programs per TOKENS_PER_PROGRAM tokens: one for the q heads, one for k and v (a
+    # decode step's latency is then two short chains side by side rather than one long one);
+    # q, k and v are each read once and q written once, k and v go straight to the cache.
+    # Several tokens a program spare a prompt step's tens of thousands of tiny programs
+    # their launch costs.
+    for i in tl.static_range(TOKENS_PER_PROGRAM):
+        tok = tl.program_id(0).to(tl.int64) * TOKENS_PER_PROGRAM + i  # int64: N * stride can pass 2**31
+        if tok < num_tokens:
+            _qk_norm_rope_store_token(
+                tok, positions_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr,
+                k_cache_ptr, v_cache_ptr, slot_mapping_ptr, eps,
+                stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_cp, stride_cs,
+                stride_cb, stride_co, stride_ch,
+                NUM_Q_HEADS, NUM_KV_HEADS, HALF, BLOCK_HALF, BLOCK_HQ, BLOCK_HKV, BLOCK_SIZE, QK_NORM,
+                FP8_CACHE, PDL and i == 0)
+
+
+# Launches of more tokens than this (prompt steps) give each program QK_TOKENS_PER_PROGRAM.
+QK_ONE_TOKEN_MAX_TOKENS = 1024
+QK_TOKENS_PER_PROGRAM = 4
+
+
+def qk_tokens_per_program(num_tokens: int) -> int:
+    """Tokens each program of qk_norm_rope_store takes: one for decode-sized launches (the
+    shortest chain), several for prompt steps."""
+    return 1 if num_tokens <= QK_ONE_TOKEN_MAX_TOKENS else QK_TOKENS_PER_PROGRAM
 
 
 def _qk_num_warps(block_hq: int, head_dim: int) -> int:
@@ -357,11 +394,13 @@ def qk_norm_rope_store(
         return q
     half = head_dim // 2
     block_hq = next_power_of_2(num_q_heads)
-    _qk_norm_rope_store_kernel[(num_tokens, 2)](
+    tokens_per_program = qk_tokens_per_program(num_tokens)
+    _qk_norm_rope_store_kernel[(cdiv(num_tokens, tokens_per_program), 2)](
         positions, q, k, v, cos_sin,
         q_norm_weight if qk_norm else q, k_norm_weight if qk_norm else q,  # (placeholders without norms)
         k_cache, v_cache, slot_mapping,
         eps,
+        num_tokens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin.stride(0), cos_sin.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -371,6 +410,7 @@ def qk_norm_rope_store(
         BLOCK_SIZE=k_cache.shape[1],
         QK_NORM=qk_norm,
         FP8_CACHE=k_cache.dtype == torch.float8_e4m3fn,
+        TOKENS_PER_PROGRAM=tokens_per_program,
         **pdl_options(q.device),
         num_warps=_qk_num_warps(block_hq, head_dim),
         enable_fp_fusion=False,  # keeps torch's separately rounded products (RoPE, norm)
