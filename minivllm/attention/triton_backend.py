@@ -23,8 +23,7 @@ StepInputs.graph_kind, the cascade choice step_inputs.shared_prefix_blocks):
 * decodes only, sharing a prefix (graph "cascade"): _decode_split_kernel with
   DECODE_SHARED_PREFIX, then _own_keys_kernel (which merges all parts itself when it has
   one split), then _decode_reduce_kernel if it has more.
-* prompt chunks, and decodes before them whose contexts are short (graph "prefill" or
-  "short_prefill", up to the largest captured size): _mixed_attention_kernel over every row.
+* prompt chunks only (graph "prefill", up to the largest captured size): _mixed_attention_kernel.
 * decodes, then prompt chunks (eager): the decodes as above, then _mixed_attention_kernel
   from the first prompt chunk on.
 """

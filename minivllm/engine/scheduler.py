@@ -27,8 +27,8 @@ class ScheduledBatch:
     that leading run by context, longest first, since the decode kernel starts its programs
     in batch order. TritonAttentionBackend.attend sends the leading one-token rows of a
     mixed step to the split-KV decode kernel and the rest to the mixed kernel (a later
-    one-token row would still be right, only slower); in a CUDA graph
-    (StepGraphs.padded_shape) the mixed kernel takes every row.
+    one-token row would still be right, only slower); StepGraphs.padded_shape runs a mixed
+    step that starts with a decode eagerly.
     """
 
     seqs: list[Sequence] = field(default_factory=list)

@@ -7,18 +7,14 @@ fill those and replay the graph of the smallest bucket that fits it, padded. Thr
 - "decode": decode-only steps, by batch size;
 - "cascade": decode-only steps whose sequences share a prefix (its length is read from the
   buffers), by batch size;
-- "prefill": steps of prompt chunks of up to max_num_batched_tokens tokens, by token count
-  and by sequence rows (PREFILL_GRAPH_FEW_SEQS, or max_num_seqs), decodes at the front
-  included where their contexts are short (see padded_shape). Its attention is the mixed
-  kernel over all the rows, those past the batch empty: each empty row still launches a
-  program per KV head, which is why a step of a few sequences gets a graph of few rows.
+- "prefill": steps of prompt chunks (no decodes at the front, see padded_shape) of up to
+  max_num_batched_tokens tokens, by token count and by sequence rows
+  (PREFILL_GRAPH_FEW_SEQS, or max_num_seqs). Its attention is the mixed kernel over all
+  the rows, those past the batch empty: each empty row still launches a program per KV
+  head, which is why a step of a few sequences gets a graph of few rows.
   Without a graph, launching a prefill's ~300 kernels from Python can take as long as the
   GPU takes to run them, or longer for short prompts: the host would have no time left to
   prepare the next step while the device runs this one.
-- "short_prefill": the same above SHORT_PROMPT_TOKENS tokens, for steps whose chunks are all
-  at most SHORT_PROMPT_TOKENS long (many short prompts): the mixed kernel's short-prompt
-  tiles (paged_attention.mixed_config), which a "prefill" graph of that many tokens cannot
-  assume.
 """
 
 import logging
@@ -29,24 +25,17 @@ import torch
 
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.executor.input_buffers import InputBuffers
-from minivllm.kernels.paged_attention import SHORT_PROMPT_TOKENS
 from minivllm.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
-GraphKind = Literal["decode", "cascade", "prefill", "short_prefill"]
+GraphKind = Literal["decode", "cascade", "prefill"]
 GraphShape = tuple[int, int]  # (tokens, sequence rows) of a graph's inputs
 # Steps of at most this many sequences take prefill graphs of this many rows, not
 # max_num_seqs: every empty row launches a program per KV head (a binary search of dependent
 # loads), scheduled ahead of the real ones; with 4 rows a single prompt's attention runs as
 # fast as eagerly.
 PREFILL_GRAPH_FEW_SEQS = 4
-# A mixed step whose decodes (at its front) all have at most this many tokens of context runs
-# in a prefill graph: there the mixed kernel gives each decode a program per KV head that
-# streams its context alone, which costs a little more than the split-KV decode kernel at
-# such lengths (W1's prompt steps on an H200: 6-38 us a layer for 31-113 decodes of <= 1,024
-# tokens), far less than launching the step eagerly. Longer contexts run eagerly.
-MIXED_GRAPH_MAX_DECODE_CONTEXT = 2048
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -68,8 +57,7 @@ def graph_metadata(buffers: InputBuffers, num_seqs: int, num_tokens: int, max_se
     return AttentionMetadata(
         query_start_loc=dev.query_start_loc[:num_seqs + 1], seq_lens=dev.seq_lens[:num_seqs],
         block_tables=dev.block_tables[:num_seqs], slot_mapping=dev.slot_mapping[:num_tokens],
-        max_query_len={"prefill": num_tokens, "short_prefill": SHORT_PROMPT_TOKENS}.get(kind, 1),
-        max_seq_len=max_seq_len,
+        max_query_len=1 if kind != "prefill" else num_tokens, max_seq_len=max_seq_len,
         num_shared_prefix_blocks=dev.num_shared_prefix_blocks if kind == "cascade" else None)
 
 
@@ -86,18 +74,18 @@ class StepGraphs:
         self.outputs: dict[tuple[GraphShape, GraphKind], torch.Tensor] = {}
         self.capture_seconds = 0.0  # how long capture() took (reported by the benchmarks)
 
-    def padded_shape(self, num_new_tokens: list[int], num_computed_tokens: list[int]) -> GraphShape | None:
-        """The graph a step (its sequences' new-token counts, and the tokens each had computed
-        before) runs in: for a decode-only step the smallest captured batch size that holds it;
-        for a step of prompt chunks the smallest prefill token and row counts. None, to run
-        eagerly: too big, or a mixed step with a decode at its front of more than
-        MIXED_GRAPH_MAX_DECODE_CONTEXT tokens (eagerly the split-KV decode kernel takes it)."""
+    def padded_shape(self, num_new_tokens: list[int]) -> GraphShape | None:
+        """The graph a step (its sequences' new-token counts) runs in: for a decode-only step
+        the smallest captured batch size that holds it; for a step of prompt chunks the
+        smallest prefill token and row counts. None, to run eagerly: too big, or decodes at
+        the front of a mixed step. Those take the split-KV decode kernel eagerly; in a prefill
+        graph the mixed kernel would give each one program per KV head, streaming a long
+        context alone."""
         num_seqs, num_tokens = len(num_new_tokens), sum(num_new_tokens)
         if num_tokens == num_seqs:
             size = next((s for s in self.decode_sizes if s >= num_seqs), None)
             return None if size is None else (size, size)
-        decode_contexts = [computed + 1 for new, computed in zip(num_new_tokens, num_computed_tokens) if new == 1]
-        if max(decode_contexts, default=0) > MIXED_GRAPH_MAX_DECODE_CONTEXT:
+        if num_new_tokens[0] == 1:
             return None
         tokens = next((s for s in self.prefill_sizes if s >= num_tokens), None)
         rows = next(r for r in self.prefill_rows if r >= num_seqs)
@@ -114,8 +102,6 @@ class StepGraphs:
         dev.slot_mapping.fill_(-1)
         pool = None
         keys = ([((tokens, rows), "prefill") for tokens in self.prefill_sizes for rows in self.prefill_rows]
-                + [((tokens, rows), "short_prefill") for tokens in self.prefill_sizes for rows in self.prefill_rows
-                   if tokens > SHORT_PROMPT_TOKENS]
                 + [((size, size), kind) for kind in ("decode", "cascade") for size in self.decode_sizes])
         # Largest first, so that smaller graphs reuse its memory.
         for (tokens, rows), kind in sorted(keys, key=lambda key: (-key[0][0], -key[0][1])):

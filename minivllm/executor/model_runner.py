@@ -282,7 +282,7 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch) -> StepHandle:
         """Queue the step's forward pass and sampling on the device; don't wait for them."""
         batch = batch.longest_decodes_first()
-        graph = self.graphs.padded_shape(batch.num_new_tokens, batch.num_computed_tokens) if self.graphs else None
+        graph = self.graphs.padded_shape(batch.num_new_tokens) if self.graphs else None
         step = self.prepare_inputs(batch, graph)
         if self.workers is not None:
             self.workers.call("execute_shipped", step)

@@ -10,7 +10,6 @@ from minivllm.attention.metadata import AttentionMetadata
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.executor.cuda_graphs import GraphKind, GraphShape
 from minivllm.executor.input_buffers import HostSet, StepFields
-from minivllm.kernels.paged_attention import SHORT_PROMPT_TOKENS
 
 # Cascade attention pays off when many decoding sequences share a long prefix; below
 # either threshold the plain decode kernel runs. (Estimates, not swept: W3's 256 sequences
@@ -35,12 +34,7 @@ class StepInputs:
 
     @property
     def graph_kind(self) -> GraphKind:
-        if self.max_query_len == 1:
-            return "cascade" if self.cascade else "decode"
-        # Past SHORT_PROMPT_TOKENS a graph's tiles depend on its chunks' lengths (cuda_graphs).
-        assert self.graph is not None
-        short = self.graph[0] > SHORT_PROMPT_TOKENS >= self.max_query_len
-        return "short_prefill" if short else "prefill"
+        return "prefill" if self.max_query_len > 1 else "cascade" if self.cascade else "decode"
 
 
 @dataclass
