@@ -5,10 +5,6 @@ sequence is admitted, the longest chain of cached blocks matching its tokens is 
 Blocks whose last owner finished stay in the free pool with their hash and can be hit
 again until they are evicted, least recently freed first. Hits are verified against the
 stored token ids, so a hash collision can never produce wrong output.
-
-Token ids stay out of Python lists here (int64 bytes instead): the garbage collector
-traverses every list it tracks, one reference per token, and thousands of block lists
-made each of its passes cost milliseconds on the host's critical path.
 """
 
 from array import array
@@ -53,7 +49,7 @@ class KVCacheManager:
         # Blocks with ref count 0, in eviction order (front = evicted first).
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_blocks))
         self.block_hashes: list[bytes | None] = [None] * self.num_blocks
-        self.block_token_bytes: list[bytes | None] = [None] * self.num_blocks  # int64 token ids
+        self.block_token_ids: list[list[int] | None] = [None] * self.num_blocks
         self.cached_blocks: dict[bytes, int] = {}
         # The sequence whose block hashes were chained last. Requests that arrive together
         # often share a prefix (a system prompt, a document): each copies the hashes of the
@@ -73,9 +69,9 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
 
-    def _token_bytes(self, seq: Sequence, first_block: int, end_block: int) -> bytes:
-        """The token ids of seq's blocks [first_block, end_block), as int64 bytes."""
-        return array("q", seq.token_ids[first_block * self.block_size:end_block * self.block_size]).tobytes()
+    def _block_tokens(self, seq: Sequence, index: int) -> list[int]:
+        """The token ids of seq's block number `index`."""
+        return seq.token_ids[index * self.block_size:(index + 1) * self.block_size]
 
     def _full_block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The chained hashes of seq's first num_blocks full blocks (memoised on the sequence)."""
@@ -118,10 +114,12 @@ class KVCacheManager:
             hits = hits[:hits.index(None)]
         # The hits' stored tokens must be seq's (so that a hash collision cannot give wrong
         # output): checked all at once, block by block only to find where they differ.
-        stored = self.block_token_bytes
-        if b"".join([stored[block_id] for block_id in hits]) != self._token_bytes(seq, 0, len(hits)):
-            hits = hits[:next(i for i, block_id in enumerate(hits)
-                              if stored[block_id] != self._token_bytes(seq, i, i + 1))]
+        stored = self.block_token_ids
+        hit_tokens: list[int] = []
+        for block_id in hits:  # list extends: faster than itertools.chain over short lists
+            hit_tokens += stored[block_id]
+        if hit_tokens != seq.token_ids[:len(hit_tokens)]:
+            hits = hits[:next(i for i, block_id in enumerate(hits) if stored[block_id] != self._block_tokens(seq, i))]
         return hits
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[int] | None = None) -> bool:
@@ -170,7 +168,7 @@ class KVCacheManager:
             if evicted_hash is not None:
                 del self.cached_blocks[evicted_hash]
                 block_hashes[block_id] = None
-                self.block_token_bytes[block_id] = None
+                self.block_token_ids[block_id] = None
             ref_counts[block_id] = 1
             taken.append(block_id)
         return taken
@@ -190,17 +188,15 @@ class KVCacheManager:
         if first >= last:
             return
         hashes = self._full_block_hashes(seq, last)
-        data, step = self._token_bytes(seq, first, last), bs * 8
         # (A prompt step registers ~1,000 blocks: the lookups hoisted out of the loop.)
-        table, block_hashes, cached_blocks = seq.block_table, self.block_hashes, self.cached_blocks
-        stored = self.block_token_bytes
+        table, tokens = seq.block_table, seq.token_ids
+        block_hashes, cached_blocks, block_token_ids = self.block_hashes, self.cached_blocks, self.block_token_ids
         for i in range(first, last):
             block_id, block_hash = table[i], hashes[i]
             if block_hashes[block_id] is None and block_hash not in cached_blocks:
                 cached_blocks[block_hash] = block_id
                 block_hashes[block_id] = block_hash
-                offset = (i - first) * step
-                stored[block_id] = data[offset:offset + step]
+                block_token_ids[block_id] = tokens[i * bs:(i + 1) * bs]
 
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks. Its last blocks are queued for eviction first, so shared
