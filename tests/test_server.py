@@ -34,7 +34,8 @@ def model_dir(tiny_model_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(model_dir: str) -> Iterator[RemoteServer]:
-    server = RemoteServer(model_dir, "--max-model-len", str(MAX_MODEL_LEN))
+    # 8-token pages: the tests' short prompts, repeated, then fill whole pages and hit the prefix cache
+    server = RemoteServer(model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "8")
     try:
         yield server
     finally:
