@@ -101,7 +101,8 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV cache of shared prompt prefixes")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over this many GPUs")
-    parser.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV-cache block")
+    parser.add_argument("--block-size", type=int, default=EngineConfig.block_size,
+                        help="tokens per KV-cache block (the prefix cache reuses whole blocks)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                         help="'fp8': the KV cache in float8 e4m3, twice the tokens in the same memory")
     parser.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
