@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from tests.server_utils import RemoteServer
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "A language model reads a prompt",
            "The dog sleeps in the sun, and"]
 MAX_MODEL_LEN = 256
+KV_CACHE_BYTES = 24 << 20  # not the CPU default (a quarter of free RAM)
 NO_EOS = {"ignore_eos": True}  # vLLM's extra field, sent through the client's extra_body
 
 
@@ -35,7 +37,8 @@ def model_dir(tiny_model_factory) -> str:
 @pytest.fixture(scope="module")
 def server(model_dir: str) -> Iterator[RemoteServer]:
     # 8-token pages: the tests' short prompts, repeated, then fill whole pages and hit the prefix cache
-    server = RemoteServer(model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "8")
+    server = RemoteServer(model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "8",
+                          "--kv-cache-memory-bytes", str(KV_CACHE_BYTES))
     try:
         yield server
     finally:
@@ -228,7 +231,8 @@ def test_64_concurrent_streams(server: RemoteServer, offline: LLM) -> None:
 
 
 def test_metrics(server: RemoteServer) -> None:
-    server.client().completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, extra_body=NO_EOS)
+    for _ in range(2):  # the repeat hits the prefix cache (the prompt fills whole 8-token blocks)
+        server.client().completions.create(model="tiny", prompt=" ".join(PROMPTS), max_tokens=4, extra_body=NO_EOS)
     samples = server.wait_idle()
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
@@ -237,7 +241,14 @@ def test_metrics(server: RemoteServer) -> None:
                  "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count"):
         assert name in samples, name
     assert samples["vllm:generation_tokens_total"] >= 4 and samples["vllm:request_success_total"] >= 1
-    assert samples["vllm:prefix_cache_hits_total"] > 0  # earlier tests repeated prompts
+    assert samples["vllm:prefix_cache_hits_total"] > 0
+
+
+def test_kv_cache_memory_bytes_sizes_the_cache(server: RemoteServer) -> None:
+    with open(server.log_path) as log:  # the whole log: output() keeps only its end
+        match = re.search(r"KV cache: (\d+) blocks of 8 tokens \(([\d.]+) GiB\)", log.read())
+    assert match, server.output()
+    assert float(match.group(2)) == pytest.approx(KV_CACHE_BYTES / 2**30, abs=0.01)
 
 
 # --- bad input ---------------------------------------------------------------------------------

@@ -98,6 +98,8 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="most tokens in a step (vLLM's server default on GPUs of 70 GiB or more)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="share of GPU memory for weights, activations and the KV cache")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="bytes for the KV cache, instead of sizing it by memory (on CPU: a quarter of free RAM)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV cache of shared prompt prefixes")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over this many GPUs")
@@ -105,7 +107,7 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="tokens per KV-cache block (the prefix cache reuses whole blocks)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                         help="'fp8': the KV cache in float8 e4m3, twice the tokens in the same memory")
-    parser.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
+    parser.add_argument("--seed", type=int, default=0, help="seed for sampling without a per-request seed, and for dummy weights")
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
                         help="auto: by the model path; dummy: random weights (for benchmarks)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -115,7 +117,7 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(subparsers)
     _add_serve_parser(subparsers)

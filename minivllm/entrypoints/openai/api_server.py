@@ -230,6 +230,7 @@ def run_server(args: argparse.Namespace) -> None:
     config = EngineConfig(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           gpu_memory_utilization=args.gpu_memory_utilization,
+                          kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                           enable_prefix_caching=args.enable_prefix_caching,
                           tensor_parallel_size=args.tensor_parallel_size, block_size=args.block_size,
                           kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, load_format=args.load_format,
