@@ -107,7 +107,8 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="tokens per KV-cache block (the prefix cache reuses whole blocks)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                         help="'fp8': the KV cache in float8 e4m3, twice the tokens in the same memory")
-    parser.add_argument("--seed", type=int, default=0, help="seed for sampling without a per-request seed, and for dummy weights")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed for sampling without a per-request seed, and for dummy weights")
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
                         help="auto: by the model path; dummy: random weights (for benchmarks)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
