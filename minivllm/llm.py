@@ -48,6 +48,10 @@ class LLM:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:
+            if not isinstance(sampling_params, (list, tuple)) or not all(
+                    isinstance(params, SamplingParams) for params in sampling_params):
+                raise ValueError("sampling_params must be a SamplingParams or a list of them (one per prompt), "
+                                 f"got {sampling_params!r}.")
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts: "
@@ -72,7 +76,10 @@ class LLM:
              sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not messages:
+            raise ValueError("chat() got no messages: pass a conversation (a list of message dicts such as "
+                             "{'role': 'user', 'content': 'Hi'}) or a list of conversations.")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": chat_prompt_token_ids(self.get_tokenizer(), conversation,
                                                               add_generation_prompt)}
                    for conversation in conversations]

@@ -31,10 +31,8 @@ class SamplingParams:
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _listed([self.stop] if isinstance(self.stop, str) else self.stop)
+        self.stop_token_ids = _listed(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -55,10 +53,11 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
                 fail(f"{name} must be a finite number, got {value!r}.")
-        if any(isinstance(t, bool) or not isinstance(t, Integral) for t in self.stop_token_ids):
-            fail(f"stop_token_ids must be token ids (integers), got {self.stop_token_ids!r}.")
+        if not isinstance(self.stop_token_ids, list) or any(isinstance(t, bool) or not isinstance(t, Integral)
+                                                            for t in self.stop_token_ids):
+            fail(f"stop_token_ids must be a list of token ids (integers), got {self.stop_token_ids!r}.")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
-        if any(not isinstance(s, str) for s in self.stop):
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) for s in self.stop):
             fail(f"stop must be a string or a list of strings, got {self.stop!r}.")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             fail(f"seed must be in [-2**63, 2**63), got {self.seed}.")
@@ -98,3 +97,10 @@ class SamplingParams:
     def needs_token_history(self) -> bool:
         """Sampling reads the sequence's tokens so far (penalties, min_tokens)."""
         return self.has_penalties or self.min_tokens > 0
+
+
+def _listed(value: object) -> object:
+    """None as [], a list or tuple as a list (a copy); anything else as it is, for _validate to refuse."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else value

@@ -36,8 +36,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     ({"n": 2.0}, "n must be an integer, got 2.0"),
     ({"n": "2"}, "n must be an integer, got '2'"),
     ({"seed": 2**64}, r"seed must be in \[-2\*\*63, 2\*\*63\)"),
-    ({"stop_token_ids": ["</s>"]}, "stop_token_ids must be token ids"),
+    ({"stop_token_ids": ["</s>"]}, "stop_token_ids must be a list of token ids"),
+    ({"stop_token_ids": 5}, "stop_token_ids must be a list of token ids .integers., got 5"),
     ({"stop": [3]}, "stop must be a string or a list of strings"),
+    ({"stop": 5}, "stop must be a string or a list of strings, got 5"),
 ])
 def test_invalid_sampling_params_name_field_and_value(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -73,6 +75,18 @@ def test_stop_token_ids_outside_the_vocabulary(llm: LLM) -> None:
 
 def test_no_prompts_is_no_outputs(llm: LLM) -> None:
     assert llm.generate([], GREEDY, use_tqdm=False) == []
+
+
+@pytest.mark.parametrize("sampling_params", [{"temperature": 0}, "greedy", [GREEDY, {"temperature": 0}]])
+def test_sampling_params_of_the_wrong_type(llm: LLM, sampling_params: object) -> None:
+    with pytest.raises(ValueError, match="sampling_params must be a SamplingParams or a list of them"):
+        llm.generate(["hi", "there"], sampling_params, use_tqdm=False)
+    _assert_clean_and_serving(llm)
+
+
+def test_chat_without_messages(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="chat.. got no messages"):
+        llm.chat([], GREEDY, use_tqdm=False)
 
 
 @pytest.mark.parametrize("make", [

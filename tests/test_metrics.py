@@ -48,10 +48,11 @@ def test_outputs_feed_the_histograms_and_counters() -> None:
     assert sample('vllm:num_preemptions_total{model_name="tiny"}') == 2
 
 
-def test_periodic_stats_line(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("device, cache_name", [("cuda", "GPU"), ("cpu", "CPU")])
+def test_periodic_stats_line(caplog: pytest.LogCaptureFixture, device: str, cache_name: str) -> None:
     stats = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0, "num_free_blocks": 90,
              "num_blocks": 100, "num_running": 0, "num_waiting": 0}
-    metrics = ServingMetrics("tiny", lambda: dict(stats))
+    metrics = ServingMetrics("tiny", lambda: dict(stats), device)
     caplog.set_level(logging.INFO, logger="minivllm.stats")
     metrics.log_stats()  # the first call only sets the baseline
     metrics.log_stats()
@@ -63,7 +64,7 @@ def test_periodic_stats_line(caplog: pytest.LogCaptureFixture) -> None:
     (record,) = caplog.records
     message = record.getMessage()
     for fragment in ("Avg prompt throughput:", "Avg generation throughput:", "Running: 2 reqs", "Waiting: 1 reqs",
-                     "GPU KV cache usage: 10.0%", "Prefix cache hit rate: 25.0%"):
+                     f"{cache_name} KV cache usage: 10.0%", "Prefix cache hit rate: 25.0%"):
         assert fragment in message, (fragment, message)
 
 

@@ -49,10 +49,12 @@ class _Request:
 
 
 class ServingMetrics:
-    def __init__(self, model_name: str, read_engine_stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, model_name: str, read_engine_stats: Callable[[], EngineStats], device: str = "cuda") -> None:
+        """device: where the KV cache lives, "cuda" or "cpu" (the log line names it)."""
         # A registry of our own: several engines in one process (tests) must not collide.
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        self.kv_cache_device = "GPU" if device == "cuda" else device.upper()
         self._read_engine_stats = read_engine_stats
         self.ttft = _Histogram("vllm:time_to_first_token_seconds", "Time to first token, seconds.",
                                _TTFT_BUCKETS, model_name, self.registry)
@@ -127,8 +129,9 @@ class ServingMetrics:
         if not (prompt or generation or stats["num_running"] or stats["num_waiting"]):
             return
         logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-                    "Running: %d reqs, Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+                    "Running: %d reqs, Waiting: %d reqs, %s KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
                     prompt / elapsed, generation / elapsed, stats["num_running"], stats["num_waiting"],
+                    self.kv_cache_device,
                     100 * kv_cache_usage(stats), 100 * hits / queries if queries else 0.0)
 
 
