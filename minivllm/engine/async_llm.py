@@ -24,7 +24,7 @@ import select
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
@@ -74,7 +74,7 @@ class RequestStream:
         self._engine = engine
         self._loop = asyncio.get_running_loop()
         self._outputs: list[WireOutput] = []
-        self._error: BaseException | None = None  # the engine's, once it died
+        self._error: BaseException | None = None  # what ended the stream early (the engine died, ...)
         # The reader's wake-up, while it waits (a bare future: cheaper than an asyncio.Event).
         self._waiter: asyncio.Future[None] | None = None
         self.finished = False
@@ -84,7 +84,7 @@ class RequestStream:
         self._wake()
 
     def fail(self, error: BaseException) -> None:
-        """End the stream with the engine's error (after the outputs already put)."""
+        """End the stream early: its reader gets the outputs already put, then `error` raised."""
         self._error = error
         self._wake()
 
@@ -104,7 +104,8 @@ class RequestStream:
             return []
         while not self._outputs:
             if self._error is not None:
-                raise EngineDeadError("The engine stopped while serving this request.") from self._error
+                self.finished = True
+                raise self._error
             self._waiter = self._loop.create_future()
             await self._waiter
         outputs, self._outputs = self._outputs, []
@@ -151,12 +152,13 @@ class AsyncLLM:
         self.config = config
         self.tokenizer: PreTrainedTokenizerBase | None = load_tokenizer(config)
         self.input_processor = InputProcessor(config, self.tokenizer)
-        self.metrics = ServingMetrics(model_name or config.model, self.engine_stats)
+        self.metrics = ServingMetrics(model_name or config.model, self.engine_stats, config.device)
         self.dead_error: BaseException | None = None
         self._log_stats_interval_s = log_stats_interval_s
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats: EngineStats = {}
+        self._closed_error: Callable[[], BaseException] | None = None  # see close()
         self._stopping = False
         self._request_counter = 0
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="minivllm-tokenize")
@@ -223,6 +225,8 @@ class AsyncLLM:
                            request_ids: list[str | None], arrival_time: float | None = None) -> list[RequestStream]:
         """Validate every prompt, then queue them all (request id None: a fresh one); a bad
         prompt raises ValueError and none is queued."""
+        if self._closed_error is not None:
+            raise self._closed_error()
         if not self.is_running:
             raise EngineDeadError("The engine has stopped; restart the server.") from self.dead_error
         arrival_time = arrival_time or time.time()
@@ -270,6 +274,19 @@ class AsyncLLM:
             self.metrics.on_request_aborted(request_id)
             self._outbox.put(("abort", request_id))
 
+    def close(self, error: Callable[[], BaseException]) -> int:
+        """Take no more requests and end every open one (the engine frees their blocks): from
+        now on add_requests raises error(), and each open stream raises one after the outputs it
+        already has. Returns how many requests were ended. Call from the event loop."""
+        self._closed_error = error
+        for request_id, stream in self._streams.items():
+            stream.fail(error())
+            self.metrics.on_request_aborted(request_id)
+            self._outbox.put(("abort", request_id))
+        ended = len(self._streams)
+        self._streams.clear()
+        return ended
+
     def engine_stats(self) -> EngineStats:
         """The engine's counters as of its latest step (or the latest change after one)."""
         return self._stats
@@ -303,7 +320,9 @@ class AsyncLLM:
     def _fail_all(self, error: BaseException) -> None:
         """On the event loop: end every open stream with the engine's error."""
         for stream in self._streams.values():
-            stream.fail(error)
+            dead = EngineDeadError("The engine stopped while serving this request.")
+            dead.__cause__ = error
+            stream.fail(dead)
         self._streams.clear()
 
     # --- the command and results threads ---------------------------------------------------

@@ -18,13 +18,15 @@ def chat_prompt_token_ids(tokenizer: PreTrainedTokenizerBase | None, conversatio
 
 def render_chat_prompt(tokenizer: PreTrainedTokenizerBase | None, conversation: Conversation,
                        add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None) -> str:
-    """The conversation as text, through the model's chat template (tokenize it without
-    adding special tokens)."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+    """The conversation as text, through the model's chat template or the one in
+    chat_template_kwargs["chat_template"] (tokenize it without adding special tokens)."""
+    chat_template_kwargs = chat_template_kwargs or {}
+    template = chat_template_kwargs.get("chat_template") or getattr(tokenizer, "chat_template", None)
+    if tokenizer is None or not template:
         raise ValueError("This model's tokenizer has no chat template: send a plain prompt instead.")
     try:
         return tokenizer.apply_chat_template(conversation, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
-                                             **(chat_template_kwargs or {}))
+                                             **chat_template_kwargs)
     except Exception as error:  # jinja2 errors: a message shape this template does not take
         raise ValueError(f"The chat template could not render these messages: {error}") from error

@@ -112,6 +112,11 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
                         help="auto: by the model path; dummy: random weights (for benchmarks)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="render chat templates sent with requests (chat_template); refused otherwise")
+    parser.add_argument("--shutdown-timeout", type=float, default=5.0,
+                        help="seconds requests in flight have to finish after SIGTERM or SIGINT (then they end "
+                             "with a 503)")
     parser.add_argument("--disable-log-stats", action="store_true", help="no periodic stats log line")
     parser.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
 

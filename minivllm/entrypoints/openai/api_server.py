@@ -1,16 +1,20 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over AsyncLLM, run by uvicorn.
 
-`minivllm serve MODEL_DIR` (entrypoints/cli.py) builds the engine, then `run_server` serves
-until SIGINT or SIGTERM, then stops the engine (and its tensor-parallel workers) and returns.
+`minivllm serve MODEL_DIR` (entrypoints/cli.py) binds the port, builds the engine, then
+`run_server` serves until SIGINT or SIGTERM, drains (see _DrainingServer), stops the engine (and
+its tensor-parallel workers) and returns.
 """
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
 import signal
+import socket
 from collections.abc import Awaitable
+from types import FrameType
 from typing import Any, TypeVar
 
 import uvicorn
@@ -18,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -35,9 +40,16 @@ from minivllm.entrypoints.openai.serving import EventStream, OpenAIServing
 
 logger = logging.getLogger(__name__)
 
-# Where _RawSendApp puts uvicorn's own `send` in a request's scope.
+# Where _EdgeApp puts uvicorn's own `send` in a request's scope.
 _RAW_SEND = "minivllm.raw_send"
 _T = TypeVar("_T")
+_Body = TypeVar("_Body", bound=BaseModel)
+# What pydantic's JSON parser says, and what it means to whoever sent the body.
+_JSON_HINTS = {"surrogate": "text must be valid Unicode: a \\ud800-\\udfff escape must be half of a surrogate pair",
+               "end of hex escape": "text must be valid Unicode: a \\ud800-\\udfff escape must be half of a "
+                                    "surrogate pair",
+               "invalid unicode code point": "the body must be UTF-8",
+               "recursion limit": "it nests arrays and objects too deeply"}
 
 
 def build_app(serving: OpenAIServing, api_key: str | None = None) -> FastAPI:
@@ -67,15 +79,18 @@ def build_app(serving: OpenAIServing, api_key: str | None = None) -> FastAPI:
              "parent": None, "max_model_len": serving.max_model_len} for name in serving.served_model_names]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw_request: Request) -> Response:
+    async def completions(raw_request: Request) -> Response:
+        body = await _parse(raw_request, CompletionRequest)
         return await _respond(raw_request, await serving.create_completion(body))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
+    async def chat_completions(raw_request: Request) -> Response:
+        body = await _parse(raw_request, ChatCompletionRequest)
         return await _respond(raw_request, await serving.create_chat_completion(body))
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(raw_request: Request) -> dict[str, Any]:
+        body = await _parse(raw_request, TokenizeRequest)
         serving.check_model(body.model)
         if body.messages is not None:
             tokens = await serving.chat_prompt(body.messages, body.add_generation_prompt)
@@ -84,7 +99,8 @@ def build_app(serving: OpenAIServing, api_key: str | None = None) -> FastAPI:
         return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+    async def detokenize(raw_request: Request) -> dict[str, str]:
+        body = await _parse(raw_request, DetokenizeRequest)
         serving.check_model(body.model)
         if serving.tokenizer is None:
             raise OpenAIError("This server has no tokenizer.")
@@ -97,6 +113,16 @@ def build_app(serving: OpenAIServing, api_key: str | None = None) -> FastAPI:
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
     return app
+
+
+async def _parse(raw_request: Request, model: type[_Body]) -> _Body:
+    """The request's JSON body as `model`. pydantic's own JSON parser reads it (errors with
+    their position; lone surrogates, invalid UTF-8 and deep nesting refused); a
+    ValidationError becomes a 400 (see _add_error_handlers)."""
+    content_type = raw_request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if not (content_type == "application/json" or content_type.endswith("+json")):
+        raise OpenAIError("The request body must be a JSON object sent with Content-Type: application/json.")
+    return model.model_validate_json(await raw_request.body())
 
 
 async def _respond(raw_request: Request, result: Awaitable[dict[str, Any]] | EventStream) -> Response:
@@ -115,7 +141,7 @@ class _EventStreamResponse(Response):
     middleware stack on its way). A client that leaves cancels the writing, whose cleanup
     aborts the engine requests.
 
-    The events go to uvicorn's own `send` when _RawSendApp put it in the scope: the
+    The events go to uvicorn's own `send` when _EdgeApp put it in the scope: the
     middleware stack wraps `send` in a coroutine per middleware, each only noting whether the
     response started (the start message still goes through them). A middleware that rewrote
     bodies (compression) would be skipped."""
@@ -137,17 +163,29 @@ class _EventStreamResponse(Response):
             await body_send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-class _RawSendApp:
-    """The outermost ASGI layer: puts uvicorn's `send` in each HTTP request's scope (see
-    _EventStreamResponse)."""
+class _EdgeApp:
+    """The outermost ASGI layer. Puts uvicorn's `send` in each HTTP request's scope (see
+    _EventStreamResponse); answers every request with a 503 once the server drains (see
+    _DrainingServer); logs an error that escaped the app, whose handler already sent the JSON
+    500, instead of letting it reach uvicorn (which would close the client's connection)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+        self.draining = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            scope[_RAW_SEND] = send
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.draining:
+            error = OpenAIError("The server is shutting down: send the request to another server.", 503)
+            await JSONResponse(error.body(), status_code=503)(scope, receive, send)
+            return
+        scope[_RAW_SEND] = send
+        try:
+            await self.app(scope, receive, send)
+        except Exception:
+            logger.exception("Internal error on %s %s", scope["method"], scope["path"])
 
 
 async def _unless_disconnected(work: Awaitable[_T], receive: Receive) -> asyncio.Future[_T] | None:
@@ -172,6 +210,8 @@ async def _wait_for_disconnect(receive: Receive) -> None:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
+    """Every error answers in OpenAI's JSON shape."""
+
     def reply(error: OpenAIError) -> JSONResponse:
         return JSONResponse(error.body(), status_code=error.status)
 
@@ -183,18 +223,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def bad_value(_: Request, error: ValueError) -> JSONResponse:
         return reply(OpenAIError(str(error)))
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(_: Request, error: RequestValidationError) -> JSONResponse:
-        errors = error.errors()
-        if any(e["type"] == "json_invalid" for e in errors):
-            return reply(OpenAIError("The request body is not valid JSON: check its syntax."))
-        if errors and errors[0]["type"] in ("model_attributes_type", "dict_type", "missing") \
-                and errors[0]["loc"] == ("body",):  # not an object: no JSON sent?
-            return reply(OpenAIError("The request body must be a JSON object (send it with "
-                                     "Content-Type: application/json)."))
-        fields = [".".join(str(part) for part in e["loc"][1:]) for e in errors]
-        problems = [f"{field or 'body'}: {e['msg'].removeprefix('Value error, ')}" for field, e in zip(fields, errors)]
-        return reply(OpenAIError("Invalid request: " + "; ".join(problems), param=fields[0] or None))
+    @app.exception_handler(ValidationError)
+    async def invalid_request(_: Request, error: ValidationError) -> JSONResponse:
+        return reply(_invalid_request(error))
+
+    @app.exception_handler(RequestValidationError)  # FastAPI's, for a route's query parameters
+    async def invalid_parameters(_: Request, error: RequestValidationError) -> JSONResponse:
+        return reply(OpenAIError(f"Invalid request: {error.errors()}"))
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, error: HTTPException) -> JSONResponse:
@@ -203,6 +238,25 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, error: EngineDeadError) -> JSONResponse:
         return reply(OpenAIError(str(error), 500))
+
+    @app.exception_handler(Exception)  # a bug: logged by _EdgeApp
+    async def internal_error(_: Request, error: Exception) -> JSONResponse:
+        return reply(OpenAIError(f"Internal server error ({type(error).__name__}); the server logged it.", 500))
+
+
+def _invalid_request(error: ValidationError) -> OpenAIError:
+    """A 400 that says what is wrong with the body, naming the first field at fault as param."""
+    errors = error.errors()
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        reason = first["ctx"]["error"]
+        hint = next((hint for key, hint in _JSON_HINTS.items() if key in reason), None)
+        return OpenAIError(f"The request body is not valid JSON ({reason})" + (f": {hint}." if hint else "."))
+    if first["loc"] == () and first["type"] in ("model_type", "model_attributes_type"):
+        return OpenAIError("The request body must be a JSON object.")
+    fields = [".".join(str(part) for part in e["loc"]) for e in errors]
+    problems = [f"{field or 'body'}: {e['msg'].removeprefix('Value error, ')}" for field, e in zip(fields, errors)]
+    return OpenAIError("Invalid request: " + "; ".join(problems), param=fields[0] or None)
 
 
 class _APIKeyMiddleware:
@@ -224,29 +278,81 @@ class _APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def run_server(args: argparse.Namespace) -> None:
-    """Build the engine, serve until SIGINT/SIGTERM, then stop the engine. Raises ValueError
-    (before serving) on a bad configuration."""
-    config = EngineConfig(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          gpu_memory_utilization=args.gpu_memory_utilization,
-                          kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                          enable_prefix_caching=args.enable_prefix_caching,
-                          tensor_parallel_size=args.tensor_parallel_size, block_size=args.block_size,
-                          kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, load_format=args.load_format,
-                          enforce_eager=args.enforce_eager)
-    names = args.served_model_name or [args.model]
-    engine = AsyncLLM(config, model_name=names[0], log_stats_interval_s=None if args.disable_log_stats else 10.0)
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server with a draining shutdown on SIGINT or SIGTERM: new requests get a 503
+    at once; requests in flight have shutdown_timeout_s to finish; then the engine ends the
+    rest with a 503 (a stream with an error event, then [DONE]); the server stops once their
+    responses are out."""
+
+    def __init__(self, config: uvicorn.Config, edge: _EdgeApp, engine: AsyncLLM, shutdown_timeout_s: float) -> None:
+        super().__init__(config)
+        self.edge = edge
+        self.engine = engine
+        self.shutdown_timeout_s = shutdown_timeout_s
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            logger.info("Signal %d: shutting down (requests in flight have %g s to finish)", sig,
+                        self.shutdown_timeout_s)
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.edge.draining = True
+        ending = asyncio.create_task(self._end_requests_in_flight())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()
+
+    async def _end_requests_in_flight(self) -> None:
+        await asyncio.sleep(self.shutdown_timeout_s)
+        ended = self.engine.close(lambda: OpenAIError("The server shut down before this request finished.", 503))
+        if ended:
+            logger.warning("Ended %d request(s) still running after %g s", ended, self.shutdown_timeout_s)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, for uvicorn to listen on once the engine is up. Raises
+    ValueError if the address is taken, before the model loads."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        app = build_app(OpenAIServing(engine, names), args.api_key or os.environ.get("VLLM_API_KEY"))
-        server = uvicorn.Server(uvicorn.Config(_RawSendApp(app), host=args.host, port=args.port, log_level="info",
-                                               access_log=not args.disable_uvicorn_access_log,
-                                               timeout_graceful_shutdown=5))
-        # uvicorn re-raises the signal that stopped it once it is done; these handlers take
-        # it, so the process goes on to stop the engine and exits with status 0.
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise ValueError(f"Cannot listen on {host}:{port} ({error.strerror}): stop what uses it, or choose "
+                         "another --port.") from error
+    return sock
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """Bind the port, build the engine, serve until SIGINT/SIGTERM, drain, then stop the engine.
+    Raises ValueError (before the model loads) on a bad configuration or a port in use."""
+    with contextlib.ExitStack() as cleanup:  # undone in reverse order, whatever stops the server
+        sock = cleanup.enter_context(_bind(args.host, args.port))
+        config = EngineConfig(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                              gpu_memory_utilization=args.gpu_memory_utilization,
+                              kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                              enable_prefix_caching=args.enable_prefix_caching,
+                              tensor_parallel_size=args.tensor_parallel_size, block_size=args.block_size,
+                              kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, load_format=args.load_format,
+                              enforce_eager=args.enforce_eager)
+        names = args.served_model_name or [args.model]
+        engine = AsyncLLM(config, model_name=names[0],
+                          log_stats_interval_s=None if args.disable_log_stats else 10.0)
+        cleanup.callback(engine.shutdown)
+        serving = OpenAIServing(engine, names, args.trust_request_chat_template)
+        cleanup.callback(serving.close)
+        edge = _EdgeApp(build_app(serving, args.api_key or os.environ.get("VLLM_API_KEY")))
+        # uvicorn's own limit, past ours: time for the ended requests' last events to go out.
+        server_config = uvicorn.Config(edge, log_level="info", access_log=not args.disable_uvicorn_access_log,
+                                       timeout_graceful_shutdown=args.shutdown_timeout + 5)
+        server = _DrainingServer(server_config, edge, engine, args.shutdown_timeout)
+        # uvicorn re-raises the signal that stopped it once it is done; these handlers take it,
+        # so the process goes on to stop the engine and exits with status 0.
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda signum, frame: logger.info("Signal %d: shutting down", signum))
-        server.run()
-    finally:
-        engine.shutdown()
+            signal.signal(sig, lambda signum, frame: None)
+        logger.info("Serving on http://%s:%d", args.host, sock.getsockname()[1])
+        server.run(sockets=[sock])
     logger.info("Server stopped")

@@ -1,22 +1,31 @@
 """Request bodies of the OpenAI-compatible API (OpenAI's fields plus vLLM's sampling extras).
 
 Unknown fields are accepted and logged, as vLLM does, so clients written for other
-servers keep working. Responses are built as plain dicts in serving.py: one streamed
-event per generated token makes their construction part of the hot path.
+servers keep working. Known fields are validated strictly, as OpenAI's API does: `true`
+is not a number and `"5"` is not an integer. Responses are built as plain dicts in
+serving.py: one streamed event per generated token makes their construction part of the
+hot path.
 """
 
+import inspect
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from transformers import PreTrainedTokenizerBase
 
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
+# What chat_template_kwargs may not set: the template call's own arguments (`tokenize`, ...). A
+# request template (`chat_template`) is the server's to allow or refuse.
+_TEMPLATE_CALL_ARGUMENTS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) \
+    - {"self", "kwargs", "chat_template"}
+
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                405: "MethodNotAllowedError", 500: "InternalServerError"}
+                405: "MethodNotAllowedError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
 class OpenAIError(Exception):
@@ -34,7 +43,7 @@ class OpenAIError(Exception):
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     @model_validator(mode="after")
     def _log_unknown_fields(self) -> "_Request":
@@ -44,6 +53,7 @@ class _Request(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -109,17 +119,48 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_form(cls, prompt: Any) -> Any:
+        """One clear message for a prompt of no accepted form (rather than one error per form)."""
+        if not (isinstance(prompt, str) or _is_token_ids(prompt) or isinstance(prompt, list) and (
+                all(isinstance(p, str) for p in prompt) or all(_is_token_ids(p) for p in prompt))):
+            raise ValueError("must be a string, a list of strings, a list of token ids (integers) or a list of "
+                             "token-id lists")
+        return prompt
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(type(token) is int for token in value)  # not bool
+
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: str | list[TextPart] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        """One clear message for content that is not text (rather than one error per form it is not)."""
+        if content is None or isinstance(content, str):
+            return content
+        if not isinstance(content, list):
+            raise ValueError("must be a string or a list of content parts ({'type': 'text', 'text': ...})")
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"part {i} is of type {kind!r}: minivllm serves text-only models, so content "
+                                 "parts must be {'type': 'text', 'text': ...}")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"part {i} needs a 'text' string")
+        return content
 
     def as_template_input(self) -> dict[str, Any]:
         """The message as a chat template takes it: content parts joined into one string."""
@@ -137,6 +178,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None  # the server refuses it unless it trusts request templates
     chat_template_kwargs: dict[str, Any] | None = None
     # Refused unless empty: minivllm has no tool calling or structured output.
     tools: list[Any] | None = None
@@ -155,10 +197,24 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("continue_final_message needs add_generation_prompt=false")
         return self
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_call_arguments(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key in kwargs or {}:
+            if key in _TEMPLATE_CALL_ARGUMENTS:
+                hint = f" (set the request's own '{key}' field)" if key in cls.model_fields else ""
+                raise ValueError(f"may not set {key!r}, an argument of the template call itself{hint}")
+        return kwargs
+
     def template_kwargs(self) -> dict[str, Any]:
-        """Extra arguments for the chat template."""
-        extra = {"continue_final_message": True} if self.continue_final_message else {}
-        return {**(self.chat_template_kwargs or {}), **extra}
+        """Extra arguments for the chat template call; a template the request brings (in either place
+        vLLM takes it) is among them as `chat_template`, for the server to allow or refuse."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
+        if self.continue_final_message:
+            kwargs["continue_final_message"] = True
+        return kwargs
 
 
 class TokenizeRequest(_Request):

@@ -23,7 +23,7 @@ from typing import Any
 from starlette.types import Message, Send
 
 from minivllm.engine.async_llm import AsyncLLM, RequestStream, WireCompletion, WireOutput
-from minivllm.entrypoints.chat_utils import render_chat_prompt
+from minivllm.entrypoints.chat_renderer import ChatRenderer
 from minivllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -95,12 +95,21 @@ class EventStream:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str],
+                 trust_request_chat_template: bool = False) -> None:
+        """trust_request_chat_template: render chat templates that requests bring (`chat_template`),
+        as vLLM's --trust-request-chat-template; refused otherwise."""
         self.engine = engine
         self.served_model_names = served_model_names
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.max_model_len
         self.sampling_defaults = generation_config_defaults(engine.config.model)
+        self.trust_request_chat_template = trust_request_chat_template
+        self.chat_renderer = ChatRenderer(self.tokenizer) if self.tokenizer is not None else None
+
+    def close(self) -> None:
+        if self.chat_renderer is not None:
+            self.chat_renderer.close()
 
     # --- shared checks ----------------------------------------------------------------------
 
@@ -115,10 +124,18 @@ class OpenAIServing:
         return await self.engine.encode(text, add_special_tokens)
 
     async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                          chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        text = render_chat_prompt(self.tokenizer, [message.as_template_input() for message in messages],
-                                  add_generation_prompt, chat_template_kwargs)
-        return await self.tokenize(text, add_special_tokens=False)
+                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The prompt token ids of a conversation, rendered by the chat renderer (off the event
+        loop, bounded in time and memory)."""
+        template_kwargs = template_kwargs or {}
+        if "chat_template" in template_kwargs and not self.trust_request_chat_template:
+            raise OpenAIError("This server runs only its own chat template: remove chat_template from the "
+                              "request, or start the server with --trust-request-chat-template.",
+                              param="chat_template")
+        if self.chat_renderer is None:
+            raise OpenAIError("This server has no tokenizer: send a completion request with token ids.")
+        return await self.chat_renderer.render([message.as_template_input() for message in messages],
+                                               add_generation_prompt, template_kwargs)
 
     def _check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         limit = self.max_model_len
