@@ -14,6 +14,15 @@ import httpx
 import openai
 
 
+def openai_error(response: httpx.Response, status: int) -> str:
+    """The message of an error answered in OpenAI's shape with this status (asserted)."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json", response.headers
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    return error["message"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -96,3 +105,21 @@ class RemoteServer:
                 self.process.wait()
         self.log.close()
         return self.process.returncode
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below pid, whichever thread started it (from /proc)."""
+    found: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            for child in map(int, f.read().split()):
+                found |= {child} | descendants(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

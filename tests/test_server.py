@@ -20,7 +20,7 @@ import pytest
 
 from minivllm import LLM, SamplingParams
 from tests.hf_oracle import hf_greedy
-from tests.server_utils import RemoteServer
+from tests.server_utils import RemoteServer, alive, descendants, openai_error
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "A language model reads a prompt",
            "The dog sleeps in the sun, and"]
@@ -254,13 +254,6 @@ def test_kv_cache_memory_bytes_sizes_the_cache(server: RemoteServer) -> None:
 # --- bad input ---------------------------------------------------------------------------------
 
 
-def _error(response: httpx.Response, status: int) -> str:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
-    return error["message"]
-
-
 def test_bad_requests_get_400_and_the_server_keeps_serving(server: RemoteServer, offline: LLM) -> None:
     url = f"{server.url}/v1/completions"
     good = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
@@ -297,7 +290,7 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server: RemoteServer,
          400, "role"),
     ]
     for response, status, fragment in cases:
-        message = _error(response, status)
+        message = openai_error(response, status)
         assert fragment in message, (fragment, message)
         assert httpx.post(url, json=good).json()["choices"][0]["text"] == expected
     # A refused list of prompts queued none of them (nothing was aborted).
@@ -306,7 +299,8 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server: RemoteServer,
     response = httpx.post(url, json={**good, "top_p": 0})
     assert response.json()["error"]["param"] == "top_p"
     # The length error names the tokens asked for.
-    assert f"has {MAX_MODEL_LEN} input tokens" in _error(httpx.post(url, json={**good, "prompt": long_prompt}), 400)
+    too_long = httpx.post(url, json={**good, "prompt": long_prompt})
+    assert f"has {MAX_MODEL_LEN} input tokens" in openai_error(too_long, 400)
     # Unknown fields are accepted (and logged), as vLLM does.
     assert httpx.post(url, json={**good, "not_a_field": 1}).json()["choices"][0]["text"] == expected
     # The official client sees the same errors as exceptions.
@@ -396,9 +390,9 @@ def test_api_key(model_dir: str) -> None:
     try:
         url = f"{server.url}/v1/completions"
         body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
-        assert "API key" in _error(httpx.post(url, json=body), 401)
-        assert "API key" in _error(httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}), 401)
-        _error(httpx.get(f"{server.url}/v1/models"), 401)
+        assert "API key" in openai_error(httpx.post(url, json=body), 401)
+        assert "API key" in openai_error(httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}), 401)
+        openai_error(httpx.get(f"{server.url}/v1/models"), 401)
         for open_path in ("/health", "/metrics", "/version"):
             assert httpx.get(server.url + open_path).status_code == 200
         with pytest.raises(openai.AuthenticationError):
@@ -408,19 +402,9 @@ def test_api_key(model_dir: str) -> None:
         assert server.stop(signal.SIGTERM) == 0, server.output()
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every process below pid, whichever thread started it (from /proc)."""
-    found: set[int] = set()
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            for child in map(int, f.read().split()):
-                found |= {child} | _descendants(child)
-    return found
-
-
 def _engine_pid(server_pid: int) -> int:
     """The engine core process (the server's other child is multiprocessing's resource tracker)."""
-    (pid,) = [child for child in _descendants(server_pid) if _cmdline(child).endswith("--multiprocessing-fork")
+    (pid,) = [child for child in descendants(server_pid) if _cmdline(child).endswith("--multiprocessing-fork")
               and _parent(child) == server_pid]
     return pid
 
@@ -435,18 +419,10 @@ def _parent(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_tensor_parallel_server_answers_and_shuts_down(model_dir: str, offline: LLM) -> None:
     expected = greedy_text(offline, PROMPTS[1], 8)
     server = RemoteServer(model_dir, "--tensor-parallel-size", "2", "--max-model-len", str(MAX_MODEL_LEN))
-    processes = _descendants(server.process.pid)
+    processes = descendants(server.process.pid)
     try:
         assert len(processes) >= 3, "the engine process and its tensor-parallel worker (and a resource tracker)"
         response = server.client().completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=8, temperature=0,
@@ -455,9 +431,9 @@ def test_tensor_parallel_server_answers_and_shuts_down(model_dir: str, offline: 
     finally:
         assert server.stop(signal.SIGTERM) == 0, server.output()
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in processes) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in processes) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(pid) for pid in processes), "a process outlived the server"
+    assert not any(alive(pid) for pid in processes), "a process outlived the server"
 
 
 def test_engine_death_mid_stream_is_an_error_event_then_done(model_dir: str) -> None:
