@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
@@ -44,10 +43,10 @@ logger = logging.getLogger(__name__)
 _RAW_SEND = "minivllm.raw_send"
 _T = TypeVar("_T")
 _Body = TypeVar("_Body", bound=BaseModel)
-# What pydantic's JSON parser says, and what it means to whoever sent the body.
-_JSON_HINTS = {"surrogate": "text must be valid Unicode: a \\ud800-\\udfff escape must be half of a surrogate pair",
-               "end of hex escape": "text must be valid Unicode: a \\ud800-\\udfff escape must be half of a "
-                                    "surrogate pair",
+# What pydantic's JSON parser says, and what it means to whoever sent the body. A lone
+# surrogate is "lone leading surrogate" or, followed by no low half, "unexpected end of hex escape".
+_LONE_SURROGATE = "text must be valid Unicode: a \\ud800-\\udfff escape must be half of a surrogate pair"
+_JSON_HINTS = {"surrogate": _LONE_SURROGATE, "end of hex escape": _LONE_SURROGATE,
                "invalid unicode code point": "the body must be UTF-8",
                "recursion limit": "it nests arrays and objects too deeply"}
 
@@ -226,10 +225,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ValidationError)
     async def invalid_request(_: Request, error: ValidationError) -> JSONResponse:
         return reply(_invalid_request(error))
-
-    @app.exception_handler(RequestValidationError)  # FastAPI's, for a route's query parameters
-    async def invalid_parameters(_: Request, error: RequestValidationError) -> JSONResponse:
-        return reply(OpenAIError(f"Invalid request: {error.errors()}"))
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, error: HTTPException) -> JSONResponse:
