@@ -14,6 +14,10 @@
 #   fp8    decode attention on W1's batches over an FP8 cache, split and tile sweep (~3 min)
 #   w2     W2 latency, qwen3-0.6b                                      (< 1 min)
 #   w3     W3 shared prefix, caching on and off, qwen3-0.6b, first run by kind of step (~1-2 min, two engines)
+#   w4     W4 serving: `python3 -m minivllm serve` (qwen3-0.6b, dummy weights, W4's flags) under
+#          benchmarks.serving --w4, three regimes (~1.5 min). Needs the server's packages (carry .whl
+#          with fastapi, starlette, uvicorn, httptools, pydantic and theirs); W4_TOKENIZER: a tokenizer
+#          directory for the server and the client (default: the preset's demo tokenizer)
 #   hf     W1 on transformers continuous batching, qwen3-0.6b, with --num-prompts 128:
 #          the full 256 requests are 133,966 tokens, ~3.6 min at the ~620 tok/s BENCH.md
 #          measured; the first 128 drawn the same way are 66,720 tokens, ~1.8 min.
@@ -82,7 +86,30 @@ run_step() {
 bench() {  # bench NAME SCRIPT ARGS...: a benchmark with the shared arguments (alternating with AB_BASE)
     local name="$1" script="$2"; shift 2
     # shellcheck disable=SC2086  # BENCH_ARGS is a word list on purpose
-    local cmd=(python3 -m "benchmarks.${script%.py}" "$@" --json-out "$RESULTS" $BENCH_ARGS)
+    ab "$name" python3 -m "benchmarks.${script%.py}" "$@" --json-out "$RESULTS" $BENCH_ARGS
+}
+
+serve_w4() {  # W4 on the tree in the current directory: its server, benchmarks.serving's three regimes
+    local model=/tmp/w4-model port=8000 rc
+    python3 -c "from benchmarks.presets import write_preset; write_preset('qwen3-0.6b', '$model')" || return 1
+    [[ -n "${W4_TOKENIZER:-}" ]] && cp "$W4_TOKENIZER"/* "$model"/
+    python3 -m minivllm serve "$model" --load-format dummy --dtype bfloat16 --served-model-name m --port $port \
+        --max-model-len 4096 --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.9 \
+        --disable-uvicorn-access-log > "$OUT/w4-server-${MINIVLLM_COMMIT:-tree}.log" 2>&1 &
+    local pid=$! up="import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)"
+    for _ in $(seq 300); do python3 -c "$up" 2>/dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 1; done
+    python3 -m benchmarks.serving --base-url "http://127.0.0.1:$port" --model m --tokenizer "$model" --w4 \
+        --label minivllm --json-out "$RESULTS"
+    rc=$?
+    kill -TERM $pid; wait $pid || rc=1  # the server drains and exits 0
+    return $rc
+}
+export -f serve_w4
+export OUT RESULTS
+
+ab() {  # ab NAME COMMAND...: run the command from this tree, after AB_BASE's when given (AB_ROUNDS pairs)
+    local name="$1"; shift
+    local cmd=("$@")
     if [[ -z "${AB_BASE:-}" ]]; then run_step "$name" "${cmd[@]}"; return 0; fi
     local round suffix
     for ((round = 1; round <= ${AB_ROUNDS:-1}; round++)); do
@@ -125,6 +152,7 @@ for step in ${GPU_CHECK//,/ }; do
         w1_fp8) bench w1_fp8 throughput.py --model qwen3-0.6b --kv-cache-dtype fp8 --repeats 3 ;;
         w2)    bench w2 latency.py --model qwen3-0.6b ;;
         w3)    bench w3 prefix_cache.py --model qwen3-0.6b --step-breakdown ;;
+        w4)    ab w4 bash -c serve_w4 ;;
         w5)    bench w5 throughput.py --model qwen3-30b-a3b --step-breakdown ;;
         moe)   run_step moe_kernels python3 -m benchmarks.kernels.fused_moe --sweep ;;
         fp8)   run_step decode_w1_fp8 python3 -m benchmarks.kernels.decode_w1 --every 64 --sweep --kv-cache-dtype fp8 ;;
