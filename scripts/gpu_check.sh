@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One check on the accelerator machine: GPU tests, then the BENCH.md workloads.
+# One check on the accelerator machine: GPU tests, then the workloads (benchmarks/README.md).
 #
-#   bash scripts/gpu_check.sh                          # everything (may exceed one 10-min call)
+#   bash scripts/gpu_check.sh                          # everything (long: split it where runs are time-limited)
 #   GPU_CHECK=tests,w1,w2 bash scripts/gpu_check.sh    # a subset, in this order
 #   MINIVLLM_COMMIT=abc1234 GPU_CHECK=w1 bash scripts/gpu_check.sh
 #
@@ -19,27 +19,28 @@
 #          with fastapi, starlette, uvicorn, httptools, pydantic and theirs); W4_TOKENIZER: a tokenizer
 #          directory for the server and the client (default: the preset's demo tokenizer)
 #   hf     W1 on transformers continuous batching, qwen3-0.6b, with --num-prompts 128:
-#          the full 256 requests are 133,966 tokens, ~3.6 min at the ~620 tok/s BENCH.md
-#          measured; the first 128 drawn the same way are 66,720 tokens, ~1.8 min.
+#          the full 256 requests are 133,966 tokens, ~3.6 min at the ~620 tok/s transformers
+#          reaches on an H200; the first 128 drawn the same way are 66,720 tokens, ~1.8 min.
 #          Its tok/s is therefore at half W1's concurrency: not the exact W1 number.
 #   w1_8b  W1 throughput, qwen3-8b                                     (~1-2 min)
 #   kernels  attention_kernels.py, cascade_attention.py, fused_ops.py, skinny_matmul.py, sampler.py,
 #          decode_w1.py (decode attention on W1's batches) (~6 min)
 #   profile  step_profile.py at batch 256 and 1, W3's decode step, W2's prefill, W3's prompt steps
 #          (host vs GPU time, top kernels)
-#   tp     the tensor-parallel GPU tests; needs 2 GPUs (the nvidia-h200-x2 kind; skipped on one),
-#          so not part of "all" (until 0e3f9e4 its first case hung at shutdown, in destroy_process_group)
-#   vllm_w1, vllm_w1_fp8, vllm_w2w3   the peer, vLLM 0.20.1, on the same workloads with its own choice of
+#   tp     the tensor-parallel GPU tests; needs 2 GPUs (skipped on one),
+#          so not part of "all"
+#   vllm_w1, vllm_w1_fp8, vllm_w2w3   vLLM 0.20.1 on the same workloads, with its own choice of
 #          attention backend (FLASH_ATTN on an H200; 0.20.1 ignores VLLM_ATTENTION_BACKEND, and takes
 #          LLM(attention_backend=...) instead; vllm_w1_triton passes TRITON_ATTN through
-#          scripts/vllm_backend.py): stage it on the machine first and carry .vl/tools
-#          (../shared/peer/README.md); start-up ~80-110 s each. Not part of "all". RESULTS.md's table:
-#          GPU_CHECK=w1,vllm_w1,w2,w3,vllm_w2w3 in one call, then GPU_CHECK=w1_fp8,vllm_w1_fp8.
+#          scripts/vllm_backend.py): stage it on the machine first (the vLLM 0.20.1 wheel set and
+#          its scripts, staged on the GPU machine as .vl/: benchmarks/README.md) and carry .vl/tools;
+#          start-up ~80-110 s each. Not part of "all". RESULTS.md's table: GPU_CHECK=w1,vllm_w1,
+#          GPU_CHECK=w1_fp8,vllm_w1_fp8 and GPU_CHECK=w2,vllm_w2w3,w3.
 #
 # Environment: OUT (logs; default /tmp/gpu_check), BENCH_ARGS (extra arguments for every
 # benchmark, e.g. "--enforce-eager"), STEP_TIMEOUT (seconds per step, default 480),
 # MINIVLLM_COMMIT (recorded in results.jsonl; pass it: the device machine's .git can be stale).
-# A/B in one call: AB_BASE=<dir> (a copy of another commit's minivllm/ and benchmarks/, e.g.
+# A/B in one run: AB_BASE=<dir> (a copy of another commit's minivllm/ and benchmarks/, e.g.
 # `mkdir .main && git archive main minivllm benchmarks | tar -x -C .main`, carried) runs each
 # benchmark step from that copy first (step name <name>_base; AB_BASE_COMMIT recorded for it),
 # then from this tree; AB_ROUNDS=N (default 1) repeats that pair N times, alternating (steps
@@ -52,7 +53,7 @@
 
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
-# NVLink multicast stays off (the device tool's KINDS.md: it can take shared GPUs out of service).
+# NVLink multicast stays off (it can take shared GPUs out of service).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 OUT="${OUT:-/tmp/gpu_check}"
@@ -121,9 +122,9 @@ ab() {  # ab NAME COMMAND...: run the command from this tree, after AB_BASE's wh
     done
 }
 
-peer() {  # peer NAME [ENV=VALUE...] SCRIPT ARGS...: one of the peer's scripts (.vl/tools), vLLM from /tmp/vlsite
+peer() {  # peer NAME [ENV=VALUE...] SCRIPT ARGS...: one of vLLM's scripts (.vl/tools), vLLM from /tmp/vlsite
     local name="$1"; shift
-    [[ -d /tmp/vlsite ]] || { echo "[$name] vLLM is not staged on this machine: ../shared/peer/README.md"; failed=1; return 0; }
+    [[ -d /tmp/vlsite ]] || { echo "[$name] vLLM is not staged on this machine (stage its wheel set from .vl/: benchmarks/README.md)"; failed=1; return 0; }
     run_step "$name" env PYTHONPATH=/tmp/vlsite "$@"
 }
 

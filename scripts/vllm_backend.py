@@ -1,7 +1,7 @@
-"""Run one of the peer's scripts (.vl/tools/vllm_*.py) with vLLM's attention backend chosen.
-vLLM 0.20.1 ignores the VLLM_ATTENTION_BACKEND variable (it picks FLASH_ATTN on an H200) and
-takes the backend as an engine argument, which the peer's scripts do not pass; this passes it
-to every LLM(...) they build. On the accelerator, after the peer's install:
+"""Run one of vLLM's staged benchmark scripts (.vl/tools/vllm_*.py) with its attention backend
+chosen. vLLM 0.20.1 ignores the VLLM_ATTENTION_BACKEND variable (it picks FLASH_ATTN on an H200)
+and takes the backend as an engine argument, which those scripts do not pass; this passes it to
+every LLM(...) they build. On the accelerator, once vLLM is staged (benchmarks/README.md):
 
     PYTHONPATH=/tmp/vlsite python3 scripts/vllm_backend.py TRITON_ATTN .vl/tools/vllm_w1.py [its args]
 """

@@ -1,5 +1,6 @@
-"""W5 on vLLM (the peer): W1's requests (BENCH.md) on Qwen3-30B-A3B with dummy weights, bf16,
-timed as ../shared/peer/vllm_w1.py times W1. Run on the accelerator after the peer's install:
+"""W5 on vLLM 0.20.1: W1's requests (benchmarks/README.md) on Qwen3-30B-A3B with dummy weights,
+bf16, timed as the staged .vl/tools/vllm_w1.py times W1. Run on the accelerator once vLLM is
+staged and installed there (benchmarks/README.md):
 
     PYTHONPATH=/tmp/vlsite:. python3 scripts/vllm_w5.py [--n 256]
 
@@ -17,7 +18,7 @@ for key, value in {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFL
     os.environ.setdefault(key, value)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".vl", "tools"))
 
-from workload import w1  # noqa: E402  (the peer's W1 generator)
+from workload import w1  # noqa: E402  (.vl/tools' W1 generator)
 
 from benchmarks.presets import write_preset  # noqa: E402
 
