@@ -1,6 +1,6 @@
 """Shared pieces of the benchmark scripts: model resolution, workloads, timing, results.
 
-Workloads follow BENCH.md (summarised in benchmarks/README.md). Every script
+Workloads are defined in benchmarks/README.md. Every script
 accepts `--scale` to shrink a workload for CPU smoke runs; numbers at a scale other
 than 1 are not comparable with anything and say so in their JSON line.
 """
@@ -30,7 +30,7 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-# W1 as BENCH.md defines it, and the totals it must produce at full size.
+# W1 as benchmarks/README.md defines it, and the totals it must produce at full size.
 W1_NUM_PROMPTS = 256
 W1_PROMPT_LEN = (100, 1024)
 W1_OUTPUT_LEN = (100, 1024)
@@ -38,7 +38,7 @@ W1_TOKEN_ID_MAX = 10000
 W1_OUTPUT_TOKENS = 133_966
 W1_PROMPT_TOKENS = 142_827
 W1_TEMPERATURE = 0.6
-DEFAULT_MAX_MODEL_LEN = 4096  # BENCH.md's max_model_len for W1 (W2 and W3 fit in it too)
+DEFAULT_MAX_MODEL_LEN = 4096  # W1's max_model_len (benchmarks/README.md); W2 and W3 fit in it too
 
 
 # ----------------------------------------------------------------------------- kernel microbenchmarks
@@ -132,7 +132,7 @@ def fit_vocab(token_ids: list[int], vocab_size: int) -> list[int]:
 
 def w1_requests(num_prompts: int = W1_NUM_PROMPTS, scale: float = 1.0,
                 vocab_size: int = W1_TOKEN_ID_MAX + 1) -> list[Request]:
-    """BENCH.md W1: random.seed(0); all prompts drawn first, each
+    """W1 (benchmarks/README.md): random.seed(0); all prompts drawn first, each
     [randint(0, 10000) for _ in range(randint(100, 1024))]; then each request's
     max_tokens = randint(100, 1024). With scale < 1 the count and both length ranges
     shrink by that factor (same draw order)."""

@@ -1,4 +1,4 @@
-"""W2 — single-stream latency (BENCH.md): one request, 1,024-token prompt, 256 output
+"""W2 — single-stream latency (benchmarks/README.md): one request, 1,024-token prompt, 256 output
 tokens, greedy, ignore_eos.
 
     python -m benchmarks.latency --model qwen3-0.6b [--runs 5]

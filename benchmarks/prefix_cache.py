@@ -1,4 +1,4 @@
-"""W3 — shared prefix (BENCH.md): 256 requests share a 2,048-token prefix, each adds 64
+"""W3 — shared prefix (benchmarks/README.md): 256 requests share a 2,048-token prefix, each adds 64
 distinct tokens and generates 128 (temperature 0.6, ignore_eos), run with prefix
 caching on and off (a fresh engine each, freed in between).
 

@@ -48,7 +48,7 @@ class Regime:
     request_rate: float  # Poisson arrivals per second; inf: all at once
 
 
-# BENCH.md's W4, as ../shared/peer/vllm_w4.sh runs it.
+# W4's three regimes (benchmarks/README.md), as vLLM's staged .vl/tools/vllm_w4.sh runs them.
 W4_REGIMES = (Regime(64, 1, math.inf), Regime(640, 64, math.inf), Regime(1000, None, math.inf))
 W4_WARMUPS = 16
 

@@ -1,4 +1,4 @@
-"""W1 — offline throughput on the seed's workload (BENCH.md).
+"""W1 — offline throughput on the seed's workload (benchmarks/README.md).
 
     python -m benchmarks.throughput --model qwen3-0.6b                 # minivllm
     python -m benchmarks.throughput --model qwen3-0.6b --backend hf    # transformers baseline

@@ -1,5 +1,5 @@
 """Every benchmark imports as a module from the repository root (how gpu_check.sh runs them)
-and only runs when executed: a broken import shows up here, not in a device call."""
+and only runs when executed: a broken import shows up here, not on the GPU machine."""
 
 import importlib
 import pkgutil
