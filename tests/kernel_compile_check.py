@@ -120,8 +120,8 @@ def sass_loops(sass: str) -> list[collections.Counter[str]]:
 def engine_calls() -> dict[str, Callable[[], Any]]:
     """The host calls of a Qwen3-0.6B step (bf16; a bf16 and an FP8 KV cache), with PDL on, and
     of Qwen3-30B-A3B's experts."""
-    from minivllm.kernels import (SplitKPartials, batch_matmul, fused_moe, fused_ops, paged_attention, pdl, sampling,
-                                  skinny_matmul)
+    from minivllm.kernels import (SplitKPartials, batch_matmul, cascade_attention, decode_attention, fused_moe,
+                                  fused_ops, mixed_attention, pdl, sampling, skinny_matmul)
 
     pdl.pdl_enabled = lambda device: True  # as on a Hopper GPU
     skinny_matmul.sm_count = lambda device: 132  # an H100/H200's: split-K where the GPU would split
@@ -134,7 +134,7 @@ def engine_calls() -> dict[str, Callable[[], Any]]:
     positions = torch.arange(45)
     cos_sin = torch.zeros(4096, 2, d)
     calls: dict[str, Callable[[], Any]] = {}
-    decode_tile_batches = (paged_attention.DECODE_SHORT_TILE_MIN_SEQS,)
+    decode_tile_batches = (decode_attention.DECODE_SHORT_TILE_MIN_SEQS,)
     for cache_name, cache_dtype in (("bf16 cache", bf16), ("fp8 cache", torch.float8_e4m3fn)):
         k_cache = torch.zeros(num_blocks, block_size, hkv, d, dtype=cache_dtype)
         v_cache = torch.zeros_like(k_cache)
@@ -146,26 +146,26 @@ def engine_calls() -> dict[str, Callable[[], Any]]:
             k_cache=k_cache, v_cache=v_cache, norm_w=norm_w: fused_ops.qk_norm_rope_store(
                 positions, q_view, k_view, v_view, cos_sin, k_cache, v_cache, positions, norm_w, norm_w, 1e-6)
         calls[f"mixed attention, {cache_name}"] = lambda q=q, k_cache=k_cache, v_cache=v_cache: \
-            paged_attention.paged_attention_mixed(q, k_cache, v_cache, qsl, seq_lens, block_tables, 0.088,
+            mixed_attention.paged_attention_mixed(q, k_cache, v_cache, qsl, seq_lens, block_tables, 0.088,
                                                   first_seq=2, first_token=2)
         calls[f"mixed attention, short prompts, {cache_name}"] = lambda q=q, k_cache=k_cache, v_cache=v_cache: \
-            paged_attention.paged_attention_mixed(q, k_cache, v_cache, qsl, seq_lens, block_tables, 0.088,
+            mixed_attention.paged_attention_mixed(q, k_cache, v_cache, qsl, seq_lens, block_tables, 0.088,
                                                   first_seq=2, first_token=2, max_query_len=40)
         decode_q = torch.zeros(num_seqs, hq, d, dtype=bf16)
         for splits in (1, 4):
             calls[f"decode, {splits} splits, {cache_name}"] = lambda decode_q=decode_q, k_cache=k_cache, \
-                v_cache=v_cache, splits=splits: paged_attention.paged_attention_decode(
+                v_cache=v_cache, splits=splits: decode_attention.paged_attention_decode(
                     decode_q, k_cache, v_cache, seq_lens, block_tables, 0.088, splits)
         # decode_config's tiles for bigger batches (each distinct one once), on this batch's launch.
         big_batch_configs = {str(config): (batch, config) for batch in decode_tile_batches
-                             if (config := paged_attention.decode_config(d, bf16, cache_dtype, batch))
-                             != paged_attention.decode_config(d, bf16, cache_dtype, num_seqs)}
+                             if (config := decode_attention.decode_config(d, bf16, cache_dtype, batch))
+                             != decode_attention.decode_config(d, bf16, cache_dtype, num_seqs)}
         for batch, config in big_batch_configs.values():
             calls[f"decode, tiles for {batch} sequences, {cache_name}"] = lambda decode_q=decode_q, \
-                k_cache=k_cache, v_cache=v_cache, config=config: paged_attention.paged_attention_decode(
+                k_cache=k_cache, v_cache=v_cache, config=config: decode_attention.paged_attention_decode(
                     decode_q, k_cache, v_cache, seq_lens, block_tables, 0.088, 1, config=config)
         calls[f"cascade decode, {cache_name}"] = lambda decode_q=decode_q, k_cache=k_cache, v_cache=v_cache: \
-            paged_attention.paged_attention_decode_shared_prefix(
+            cascade_attention.paged_attention_decode_shared_prefix(
                 decode_q, k_cache, v_cache, seq_lens, block_tables, torch.ones(1, dtype=torch.int32), 0.088,
                 prefix_splits=2, suffix_splits=2)
     x = torch.zeros(4, hidden, dtype=bf16)

@@ -7,14 +7,15 @@ Without CUDA the kernels run in Triton's interpreter (small shapes, fp32/fp16); 
 """
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 import triton
 
-import minivllm.kernels.paged_attention as pa
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.attention.triton_backend import TritonAttentionBackend
+from minivllm.kernels import cascade_attention, decode_attention
 from tests.conftest import ATTENTION_TOL, DEVICE, reference_attention, requires_cuda
 
 
@@ -60,13 +61,13 @@ class CascadeBatch:
             num_shared_prefix_blocks=self.num_prefix_blocks)
 
     def cascade(self, **kwargs) -> torch.Tensor:
-        return pa.paged_attention_decode_shared_prefix(
+        return cascade_attention.paged_attention_decode_shared_prefix(
             self.q, self.k_cache, self.v_cache, self.seq_lens, self.block_tables,
             self.num_prefix_blocks, self.scale, **kwargs)
 
-    def plain(self, num_splits: int = 1, config: dict | None = None) -> torch.Tensor:
-        return pa.paged_attention_decode(self.q, self.k_cache, self.v_cache, self.seq_lens,
-                                         self.block_tables, self.scale, num_splits, config=config)
+    def plain(self, num_splits: int = 1, config: decode_attention.DecodeConfig | None = None) -> torch.Tensor:
+        return decode_attention.paged_attention_decode(self.q, self.k_cache, self.v_cache, self.seq_lens,
+                                                       self.block_tables, self.scale, num_splits, config=config)
 
     def reference(self) -> torch.Tensor:
         """Per sequence: its one query over all its keys, in float64."""
@@ -110,25 +111,27 @@ def test_cascade_matches_reference(case, layout):
 
 @pytest.mark.parametrize("num_kv_heads,heads", [(1, 1), (2, 2), (3, 1), (4, 4), (6, 2), (8, 4), (12, 4)])
 def test_own_keys_heads_per_program_divide_the_kv_heads(num_kv_heads, heads):
-    cfg = pa.own_keys_config(128, torch.bfloat16, num_kv_heads)
-    assert cfg["HEADS"] == heads
-    assert cfg["HEADS"] * cfg["BLOCK_N"] == 64  # key rows per tile: 16 KB of bf16 keys at D=128
+    cfg = cascade_attention.own_keys_config(128, torch.bfloat16, num_kv_heads)
+    assert cfg.heads == heads
+    assert cfg.heads * cfg.block_n == 64  # key rows per tile: 16 KB of bf16 keys at D=128
 
 
 @pytest.mark.parametrize("cache_dtype,block_n,stages", [(torch.bfloat16, 64, 3), (torch.float8_e4m3fn, 128, 2)])
 def test_shared_prefix_tiles_follow_the_cache_dtype(cache_dtype, block_n, stages):
     # W3's step: 512 (sequence, head) rows per KV head. 16-bit caches take 64-key tiles in
     # three stages; FP8 caches keep the mixed kernel's 128 keys in two (measured faster there).
-    cfg = pa.shared_prefix_config(128, torch.bfloat16, cache_dtype, 512)
-    assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"]) == (128, block_n, stages)
-    assert pa.shared_prefix_config(128, torch.bfloat16, cache_dtype, 40)["BLOCK_M"] == 64  # rows cut to a power of two
+    cfg = cascade_attention.shared_prefix_config(128, torch.bfloat16, cache_dtype, 512)
+    assert (cfg.block_m, cfg.tiles.block_n, cfg.tiles.num_stages) == (128, block_n, stages)
+    # Rows cut to a power of two:
+    assert cascade_attention.shared_prefix_config(128, torch.bfloat16, cache_dtype, 40).block_m == 64
 
 
 def test_cascade_small_row_tiles():
     """BLOCK_M 16 over 6 sequences x GQA 4 = 24 rows: two row tiles, the second partly
     padding; BLOCK_N 16 over a 40-token prefix: a ragged last prefix tile."""
     batch = CascadeBatch([1, 9, 2, 30, 8, 1], 5, 8, 8, 2, 64, torch.float32, seed=3)
-    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+    cfg = cascade_attention.SharedPrefixConfig(
+        block_m=16, tiles=decode_attention.DecodeTiles(block_n=16, num_warps=4, num_stages=2))
     batch.check(batch.cascade(prefix_splits=2, prefix_config=cfg))
 
 
@@ -149,8 +152,8 @@ def test_reduce_launch_only_for_a_split_suffix(monkeypatch, suffix_splits, reduc
     reduce launch); with more, the reduce merges them."""
     batch = CascadeBatch([1, 17, 40], 3, 16, 4, 2, 64, torch.float32, seed=9)
     launches = []
-    real = pa._launch_decode_reduce
-    monkeypatch.setattr(pa, "_launch_decode_reduce", lambda *a: launches.append(a) or real(*a))
+    real = cascade_attention.launch_decode_reduce
+    monkeypatch.setattr(cascade_attention, "launch_decode_reduce", lambda *a: launches.append(a) or real(*a))
     batch.check(batch.cascade(prefix_splits=2, suffix_splits=suffix_splits))
     assert len(launches) == reduce_launches
 
@@ -162,14 +165,14 @@ def test_prefix_splits_stay_within_one_wave(num_row_tiles, prefix_len):
     wave (unless one split per tile already does), nor more splits than the prefix has
     PREFIX_MIN_TOKENS_PER_SPLIT-token pieces (rounded up)."""
     num_sms, num_kv_heads = 132, 8
-    splits = pa.shared_prefix_num_splits(num_row_tiles, num_kv_heads, prefix_len, num_sms)
+    splits = cascade_attention.shared_prefix_num_splits(num_row_tiles, num_kv_heads, prefix_len, num_sms)
     programs_per_split = num_row_tiles * num_kv_heads
-    pieces = -(-prefix_len // pa.PREFIX_MIN_TOKENS_PER_SPLIT)
-    assert 1 <= splits <= min(pieces, pa.DECODE_MAX_SPLITS)
+    pieces = -(-prefix_len // cascade_attention.PREFIX_MIN_TOKENS_PER_SPLIT)
+    assert 1 <= splits <= min(pieces, decode_attention.DECODE_MAX_SPLITS)
     assert splits == 1 or splits * programs_per_split <= num_sms
     # The most that fits: one more split would break one of the bounds.
     more = splits + 1
-    assert more * programs_per_split > num_sms or more > pieces or more > pa.DECODE_MAX_SPLITS
+    assert more * programs_per_split > num_sms or more > pieces or more > decode_attention.DECODE_MAX_SPLITS
 
 
 def test_reduce_over_more_parts_than_one_step():
@@ -185,8 +188,9 @@ def test_empty_prefix_is_plain_decode():
     """With no shared prefix the cascade is the own-keys launch alone: the plain decode's
     result, exactly, over key tiles as wide as the own-keys launch's (one KV head here)."""
     batch = CascadeBatch([5, 20], 0, 8, 2, 1, 64, torch.float32)
-    own_keys_tile = pa.own_keys_config(64, torch.float32, 1)["BLOCK_N"]
-    plain_config = pa.decode_config(64, torch.float32, torch.float32, 2) | {"BLOCK_N": own_keys_tile}
+    own_keys_tile = cascade_attention.own_keys_config(64, torch.float32, 1).block_n
+    plain_config = decode_attention.decode_config(64, torch.float32, torch.float32, 2)
+    plain_config = replace(plain_config, tiles=replace(plain_config.tiles, block_n=own_keys_tile))
     assert torch.equal(batch.cascade(suffix_splits=2), batch.plain(num_splits=2, config=plain_config))
 
 
@@ -196,7 +200,7 @@ def test_backend_takes_cascade_path(monkeypatch):
     batch = CascadeBatch([1, 30, 7, 50], 3, 16, 4, 2, 64, torch.float16, seed=7)
     meta = batch.meta()
     calls = []
-    real = pa.paged_attention_decode_shared_prefix
+    real = cascade_attention.paged_attention_decode_shared_prefix
     monkeypatch.setattr("minivllm.attention.triton_backend.paged_attention_decode_shared_prefix",
                         lambda *a, **k: calls.append(k) or real(*a, **k))
     backend = TritonAttentionBackend()
@@ -243,14 +247,14 @@ def test_gpu_cascade_layouts(gqa, head_dim, block_size):
 def test_warm_up_runs_every_row_tile_size_and_leaves_the_cache_alone(monkeypatch) -> None:
     """The start-up warm-up launches the cascade once per BLOCK_M a batch can use."""
     tile_sizes: list[int] = []
-    launch = pa._launch_decode_split
+    launch = cascade_attention.launch_decode_split
 
     def spy(*args, **kwargs) -> None:
-        if args[8] == pa.DECODE_SHARED_PREFIX:  # mode
-            tile_sizes.append(args[-1]["BLOCK_M"])
+        if args[8] == decode_attention.DECODE_SHARED_PREFIX:  # mode
+            tile_sizes.append(args[-2])  # block_m
         launch(*args, **kwargs)
 
-    monkeypatch.setattr(pa, "_launch_decode_split", spy)
+    monkeypatch.setattr(cascade_attention, "launch_decode_split", spy)
     batch = CascadeBatch([1], 1, 8, 4, 2, 32, torch.float32)
     k_before, v_before = batch.k_cache.clone(), batch.v_cache.clone()
     # GQA 2: up to 40 rows per KV head -> tiles of 16, 32 and 64 rows.

@@ -14,9 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-import minivllm.kernels.paged_attention as pa
 from minivllm.attention.torch_backend import store_kv, to_cache_dtype
-from minivllm.kernels import fused_ops
+from minivllm.kernels import attention_tiles, decode_attention, fused_ops, mixed_attention
 from tests.conftest import ATTENTION_TOL, DEVICE, reference_attention, requires_cuda
 from tests.test_cascade_attention import CascadeBatch
 from tests.test_fused_ops import make_rope, reference_rope
@@ -96,7 +95,7 @@ def test_gpu_fused_store_rounds_as_torch(dtype: torch.dtype) -> None:
     run_fused_store(dtype, representable=False)
 
 
-# Head dims: the value tiles' column order (kernels/paged_attention.py) depends on D.
+# Head dims: the value tiles' column order (kernels/attention_tiles.py) depends on D.
 @pytest.mark.parametrize("head_dim", [32, 64, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("q_lens,seq_lens", [
@@ -107,7 +106,7 @@ def test_mixed_kernel_reads_fp8(dtype: torch.dtype, q_lens: list[int], seq_lens:
     qsl, lens, table, num_blocks = make_batch(q_lens, seq_lens, 16, share_blocks=1)
     k_cache, v_cache = fp8_cache(num_blocks, 16, 2, head_dim)
     q = random_q(sum(q_lens), 4, head_dim, dtype)
-    out = pa.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, 0.125)
+    out = mixed_attention.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, 0.125)
     check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, 0.125), dtype)
 
 
@@ -119,29 +118,29 @@ def test_decode_kernel_reads_fp8(dtype: torch.dtype, num_splits: int, head_dim: 
     qsl, lens, table, num_blocks = make_batch([1] * 4, seq_lens, 16, share_blocks=1)
     k_cache, v_cache = fp8_cache(num_blocks, 16, 2, head_dim)
     q = random_q(4, 8, head_dim, dtype)
-    out = pa.paged_attention_decode(q, k_cache, v_cache, lens, table, 0.125, num_splits)
+    out = decode_attention.paged_attention_decode(q, k_cache, v_cache, lens, table, 0.125, num_splits)
     check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, 0.125), dtype)
 
 
 def test_decode_tiles_read_fp8() -> None:
     """decode_config's FP8 tiles (32 keys, one warp, five stages) over a D=128 cache; the
     interpreter runs the tile shapes, not the warps or stages."""
-    config = pa.decode_config(128, torch.bfloat16, FP8, 64)
+    config = decode_attention.decode_config(128, torch.bfloat16, FP8, 64)
     seq_lens = [1, 300, 17, 129]
     qsl, lens, table, num_blocks = make_batch([1] * 4, seq_lens, 16, share_blocks=1)
     k_cache, v_cache = fp8_cache(num_blocks, 16, 2, 128)
     q = random_q(4, 4, 128, torch.float16)
-    out = pa.paged_attention_decode(q, k_cache, v_cache, lens, table, 0.1, 1, config=config)
+    out = decode_attention.paged_attention_decode(q, k_cache, v_cache, lens, table, 0.1, 1, config=config)
     check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, 0.1), torch.float16)
 
 
 def test_fp8_decode_splits_fill_the_sms_with_one_warp_programs() -> None:
     """The FP8 tiles are one warp each, so a launch aims for more of them per SM than for the
     16-bit tiles: at 64 sequences (512 contexts on 132 SMs) those split every context in two."""
-    fp8 = pa.decode_config(128, torch.bfloat16, FP8, 64)
-    bf16 = pa.decode_config(128, torch.bfloat16, torch.bfloat16, 64)
-    assert (fp8["BLOCK_N"], fp8["num_warps"]) == (32, 1) and fp8["programs_per_sm"] > bf16["programs_per_sm"]
-    splits = [pa.decode_num_splits(64, 8, 4096, 132, c["programs_per_sm"]) for c in (fp8, bf16)]
+    fp8 = decode_attention.decode_config(128, torch.bfloat16, FP8, 64)
+    bf16 = decode_attention.decode_config(128, torch.bfloat16, torch.bfloat16, 64)
+    assert (fp8.tiles.block_n, fp8.tiles.num_warps) == (32, 1) and fp8.programs_per_sm > bf16.programs_per_sm
+    splits = [decode_attention.decode_num_splits(64, 8, 4096, 132, c.programs_per_sm) for c in (fp8, bf16)]
     assert splits == [2, 1]
 
 
@@ -166,9 +165,9 @@ def test_gpu_bf16_queries_over_fp8_cache(decode: bool, num_seqs: int) -> None:
     k_cache, v_cache = fp8_cache(num_blocks, 16, 8, 128)
     q = random_q(sum(q_lens), 16, 128, torch.bfloat16)
     if decode:
-        out = pa.paged_attention_decode(q, k_cache, v_cache, lens, table, 128 ** -0.5, 4)
+        out = decode_attention.paged_attention_decode(q, k_cache, v_cache, lens, table, 128 ** -0.5, 4)
     else:
-        out = pa.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, 128 ** -0.5)
+        out = mixed_attention.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, 128 ** -0.5)
     check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, 128 ** -0.5), torch.bfloat16)
 
 
@@ -180,7 +179,7 @@ def test_gpu_fp8_decode_kernel(block_size: int, num_q_heads: int, num_kv_heads: 
     """kernels/fp8_decode.py (decode_config's choice on a GPU) over GQA groups of 1 to 16 and
     several block sizes: contexts from 1 key to past a tile, ragged ends, empty (padded) rows,
     one split and several."""
-    assert pa.decode_config(128, torch.bfloat16, FP8, 4).get("fp8_decode")
+    assert decode_attention.decode_config(128, torch.bfloat16, FP8, 4).tiles is None  # the Gluon kernel
     gen = random.Random(block_size + num_q_heads)
     seq_lens = [1, 31, 32, 33, 100, gen.randint(1, 2000), gen.randint(1, 2000), 0]
     qsl, lens, table, num_blocks = make_batch([1] * len(seq_lens), seq_lens, block_size)
@@ -188,7 +187,7 @@ def test_gpu_fp8_decode_kernel(block_size: int, num_q_heads: int, num_kv_heads: 
     q = random_q(len(seq_lens), num_q_heads, 128, torch.bfloat16)
     ref = reference_attention(q, k_cache, v_cache, qsl, lens, table, 128 ** -0.5)
     for num_splits in (1, 3, 8):
-        out = pa.paged_attention_decode(q, k_cache, v_cache, lens, table, 128 ** -0.5, num_splits)
+        out = decode_attention.paged_attention_decode(q, k_cache, v_cache, lens, table, 128 ** -0.5, num_splits)
         assert torch.equal(out[-1], torch.zeros_like(out[-1]))  # the empty row
         check(out[:-1], ref[:-1], torch.bfloat16)
 
@@ -284,7 +283,8 @@ def test_unknown_kv_cache_dtype_is_refused(tiny_model_factory) -> None:
 @triton.jit
 def _widen_kernel(src, dst, ROWS: tl.constexpr, D: tl.constexpr):
     rows = tl.arange(0, ROWS)
-    tile = pa._dim_order(pa._load_e4m3_value_tile(src, rows * D, rows < ROWS, ROWS, D, False), ROWS, D)
+    tile = attention_tiles.dim_order(
+        attention_tiles.load_e4m3_value_tile(src, rows * D, rows < ROWS, ROWS, D, False), ROWS, D)
     tl.store(dst + rows[:, None] * D + tl.arange(0, D)[None, :], tile)
 
 

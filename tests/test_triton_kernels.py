@@ -12,9 +12,9 @@ import torch
 import triton
 
 import minivllm.attention.triton_backend as triton_backend
-import minivllm.kernels.paged_attention as paged_attention
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.attention.torch_backend import store_kv
+from minivllm.kernels import decode_attention, mixed_attention
 from tests.conftest import ATTENTION_TOL, DEVICE, reference_attention, requires_cuda
 
 
@@ -103,7 +103,7 @@ def check_mixed(case: str, layout: str, max_query_len: int | None = None) -> Non
     k_cache, v_cache = random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
     q = random_q(sum(q_lens), num_q_heads, head_dim, dtype)
     scale = head_dim ** -0.5
-    out = paged_attention.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, scale,
+    out = mixed_attention.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, scale,
                                                 max_query_len=max_query_len)
     check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, scale), dtype)
 
@@ -118,8 +118,8 @@ def test_mixed(case, layout):
 def test_mixed_short_prompt_tiles(case):
     """The tiles mixed_config picks for short query chunks (fp16, D = 128), from max_query_len."""
     max_query_len = max(MIXED_CASES[case][0])
-    assert (paged_attention.mixed_config(128, torch.float16, 2, max_query_len)
-            != paged_attention.mixed_config(128, torch.float16, 2))
+    assert (mixed_attention.mixed_config(128, torch.float16, 2, max_query_len)
+            != mixed_attention.mixed_config(128, torch.float16, 2))
     check_mixed(case, "gqa2-d128-fp16", max_query_len)
 
 
@@ -134,12 +134,12 @@ def test_mixed_small_tiles(gqa):
     k_cache, v_cache = random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
     q = random_q(sum(q_lens), gqa * num_kv_heads, head_dim, dtype)
     gqa_pad = triton.next_power_of_2(gqa)
-    config = dict(BLOCK_Q=16 // gqa_pad, BLOCK_N=16, num_warps=4, num_stages=2)
+    config = mixed_attention.MixedConfig(block_q=16 // gqa_pad, block_n=16, num_warps=4, num_stages=2)
     ref = reference_attention(q, k_cache, v_cache, qsl, lens, table, 0.3)
-    out = paged_attention.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, 0.3, config=config)
+    out = mixed_attention.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, 0.3, config=config)
     check(out, ref, dtype)
     out = torch.zeros_like(q)
-    paged_attention.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, 0.3, out=out,
+    mixed_attention.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, 0.3, out=out,
                                           config=config, first_seq=2, first_token=10)
     assert torch.equal(out[:10], torch.zeros_like(out[:10]))
     check(out[10:], ref[10:], dtype)
@@ -159,7 +159,7 @@ def test_decode(num_splits, layout):
     k_cache, v_cache = random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
     q = random_q(len(seq_lens), num_q_heads, head_dim, dtype)
     scale = head_dim ** -0.5
-    out = paged_attention.paged_attention_decode(q, k_cache, v_cache, lens, table, scale, num_splits)
+    out = decode_attention.paged_attention_decode(q, k_cache, v_cache, lens, table, scale, num_splits)
     check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, scale), dtype)
 
 
@@ -170,7 +170,7 @@ def test_decode_gqa3_and_padded_rows():
     k_cache, v_cache = random_cache(num_blocks, 16, 2, 64, torch.float32)
     q = random_q(3, 6, 64, torch.float32)
     for num_splits in (1, 4):
-        out = paged_attention.paged_attention_decode(q, k_cache, v_cache, lens, table, 0.125, num_splits)
+        out = decode_attention.paged_attention_decode(q, k_cache, v_cache, lens, table, 0.125, num_splits)
         assert torch.equal(out[1], torch.zeros_like(out[1]))
         check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, 0.125), torch.float32)
 
@@ -179,46 +179,46 @@ def test_decode_short_tiles_for_big_batches_and_one_sequence():
     """16-bit caches take 64-key tiles with 2 warps from DECODE_SHORT_TILE_MIN_SEQS sequences
     and for a single one (128 keys, 4 warps between); the kernel with those tiles matches
     the reference."""
-    big = paged_attention.DECODE_SHORT_TILE_MIN_SEQS
+    big = decode_attention.DECODE_SHORT_TILE_MIN_SEQS
     for num_seqs in (2, big - 1):
-        assert paged_attention.decode_config(128, torch.bfloat16, torch.bfloat16, num_seqs)["BLOCK_N"] == 128
-    config = paged_attention.decode_config(128, torch.float16, torch.float16, big)
-    assert (config["BLOCK_N"], config["num_warps"]) == (64, 2)
-    assert paged_attention.decode_config(128, torch.bfloat16, torch.bfloat16, 1) == config
+        assert decode_attention.decode_config(128, torch.bfloat16, torch.bfloat16, num_seqs).tiles.block_n == 128
+    config = decode_attention.decode_config(128, torch.float16, torch.float16, big)
+    assert (config.tiles.block_n, config.tiles.num_warps) == (64, 2)
+    assert decode_attention.decode_config(128, torch.bfloat16, torch.bfloat16, 1) == config
     seq_lens = [300, 1, 129]
     qsl, lens, table, num_blocks = make_batch([1] * len(seq_lens), seq_lens, 16)
     k_cache, v_cache = random_cache(num_blocks, 16, 2, 128, torch.float16)
     q = random_q(len(seq_lens), 4, 128, torch.float16)
-    out = paged_attention.paged_attention_decode(q, k_cache, v_cache, lens, table, 0.1, 1, config=config)
+    out = decode_attention.paged_attention_decode(q, k_cache, v_cache, lens, table, 0.1, 1, config=config)
     check(out, reference_attention(q, k_cache, v_cache, qsl, lens, table, 0.1), torch.float16)
 
 
 def test_decode_num_splits():
     # Big batches need no split; small batches with long contexts split up to the cap;
     # short contexts are not over-split.
-    per_sm = paged_attention.DECODE_PROGRAMS_PER_SM
-    assert paged_attention.decode_num_splits(256, 8, 4096, 132, per_sm) == 1
-    assert paged_attention.decode_num_splits(1, 8, 4096, 132, per_sm) == paged_attention.DECODE_MAX_SPLITS
-    assert paged_attention.decode_num_splits(1, 8, 100, 132, per_sm) == 1
-    assert 1 < paged_attention.decode_num_splits(8, 8, 4096, 132, per_sm) < paged_attention.DECODE_MAX_SPLITS
+    per_sm = decode_attention.DECODE_PROGRAMS_PER_SM
+    assert decode_attention.decode_num_splits(256, 8, 4096, 132, per_sm) == 1
+    assert decode_attention.decode_num_splits(1, 8, 4096, 132, per_sm) == decode_attention.DECODE_MAX_SPLITS
+    assert decode_attention.decode_num_splits(1, 8, 100, 132, per_sm) == 1
+    assert 1 < decode_attention.decode_num_splits(8, 8, 4096, 132, per_sm) < decode_attention.DECODE_MAX_SPLITS
 
 
 def test_decode_num_splits_by_waves():
     # Contexts filling 1.2 waves (9 programs an SM on 132 SMs) are not split; below that a
     # launch aiming for 2.5 waves splits them into ~2.5 waves, where one wave needed none.
     per_sm, waves = 9, 2.5
-    assert paged_attention.decode_num_splits(183, 8, 4096, 132, per_sm, waves=waves) == 1
-    assert paged_attention.decode_num_splits(176, 8, 4096, 132, per_sm, waves=waves) == 3
-    assert paged_attention.decode_num_splits(153, 8, 4096, 132, per_sm) == 1
-    assert paged_attention.decode_num_splits(153, 8, 4096, 132, per_sm, waves=waves) == 3
-    assert paged_attention.decode_num_splits(101, 8, 4096, 132, per_sm, waves=waves) == 4
-    assert paged_attention.decode_num_splits(101, 8, 300, 132, per_sm, waves=waves) == 3  # 128-token splits
+    assert decode_attention.decode_num_splits(183, 8, 4096, 132, per_sm, waves=waves) == 1
+    assert decode_attention.decode_num_splits(176, 8, 4096, 132, per_sm, waves=waves) == 3
+    assert decode_attention.decode_num_splits(153, 8, 4096, 132, per_sm) == 1
+    assert decode_attention.decode_num_splits(153, 8, 4096, 132, per_sm, waves=waves) == 3
+    assert decode_attention.decode_num_splits(101, 8, 4096, 132, per_sm, waves=waves) == 4
+    assert decode_attention.decode_num_splits(101, 8, 300, 132, per_sm, waves=waves) == 3  # 128-token splits
     # Contexts filling 0.25 to 0.65 of a wave aim for 1.6 waves where asked (fp8_decode's).
     few = dict(waves=waves, few_contexts=(0.25, 0.65), few_contexts_waves=1.6)
-    assert paged_attention.decode_num_splits(64, 8, 4096, 132, per_sm, waves=waves) == 6
-    assert paged_attention.decode_num_splits(64, 8, 4096, 132, per_sm, **few) == 4
-    assert paged_attention.decode_num_splits(101, 8, 4096, 132, per_sm, **few) == 4  # 0.68 of a wave: 2.5
-    assert paged_attention.decode_num_splits(24, 8, 4096, 132, per_sm, **few) == 16  # 0.16 of a wave: 2.5
+    assert decode_attention.decode_num_splits(64, 8, 4096, 132, per_sm, waves=waves) == 6
+    assert decode_attention.decode_num_splits(64, 8, 4096, 132, per_sm, **few) == 4
+    assert decode_attention.decode_num_splits(101, 8, 4096, 132, per_sm, **few) == 4  # 0.68 of a wave: 2.5
+    assert decode_attention.decode_num_splits(24, 8, 4096, 132, per_sm, **few) == 16  # 0.16 of a wave: 2.5
 
 
 def test_bad_head_dim_is_rejected():
@@ -226,7 +226,7 @@ def test_bad_head_dim_is_rejected():
     k_cache, v_cache = random_cache(num_blocks, 16, 1, 96, torch.float32)
     q = random_q(1, 1, 96, torch.float32)
     with pytest.raises(AssertionError, match="power of two"):
-        paged_attention.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, 0.1)
+        mixed_attention.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, 0.1)
 
 
 # ----------------------------------------------------------------------------------------

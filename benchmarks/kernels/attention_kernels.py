@@ -26,8 +26,10 @@ import triton
 import triton.testing
 
 from benchmarks.common import kernel_benchmark_args, shuffled_block_tables, w1_requests
-from minivllm.kernels import paged_attention as pa
 from minivllm.kernels import sm_count
+from minivllm.kernels.decode_attention import (DECODE_PROGRAMS_PER_SM, DecodeConfig, DecodeTiles, decode_config,
+                                               decode_num_splits_for, paged_attention_decode)
+from minivllm.kernels.mixed_attention import MixedConfig, mixed_config, paged_attention_mixed
 
 HQ, HKV, D, BLOCK = 16, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -56,9 +58,9 @@ def bench_decode(name, seq_lens, sweep):
     q = torch.randn(batch, HQ, D, dtype=DTYPE, device="cuda")
     kv_bytes = sum(seq_lens) * HKV * D * 2 * k_cache.element_size()  # K and V, every head
     sms = sm_count(torch.device("cuda", 0))
-    default_cfg = pa.decode_config(D, DTYPE, DTYPE, batch)
-    default_splits = pa.decode_num_splits_for(default_cfg, batch, HKV, max(seq_lens), sms)
-    graph_splits = pa.decode_num_splits_for(default_cfg, batch, HKV, 4096, sms)  # as captured: max_model_len
+    default_cfg = decode_config(D, DTYPE, DTYPE, batch)
+    default_splits = decode_num_splits_for(default_cfg, batch, HKV, max(seq_lens), sms)
+    graph_splits = decode_num_splits_for(default_cfg, batch, HKV, 4096, sms)  # as captured: max_model_len
     print(f"\n== decode {name}: batch {batch}, context total {sum(seq_lens)} "
           f"(mean {sum(seq_lens) / batch:.0f}), K+V bytes {kv_bytes / 1e6:.1f} MB", flush=True)
     print(f"   heuristic splits: {default_splits} (max_seq_len = batch max), "
@@ -75,8 +77,10 @@ def bench_decode(name, seq_lens, sweep):
             configs = [(64, 4, 3), (32, 4, 3), (32, 4, 5), (16, 4, 3), (32, 2, 3), (128, 8, 3)]
             splits = [4, 8, 16, 32, 64]
         for bn, w, s in configs:
+            config = DecodeConfig(tiles=DecodeTiles(block_n=bn, num_warps=w, num_stages=s),
+                                  programs_per_sm=DECODE_PROGRAMS_PER_SM)
             for ns in splits:
-                variants.append((dict(BLOCK_N=bn, num_warps=w, num_stages=s), ns, ""))
+                variants.append((config, ns, ""))
     ref = None
     # Split-KV workspace, preallocated as the backend does (sized for the most splits).
     max_rows = batch * HQ * max(ns for _, ns, _ in variants)
@@ -84,7 +88,7 @@ def bench_decode(name, seq_lens, sweep):
     part_lse = torch.empty(max_rows, dtype=torch.float32, device="cuda")
     for cfg, ns, tag in variants:
         out = torch.empty_like(q)
-        fn = lambda: pa.paged_attention_decode(  # noqa: E731
+        fn = lambda: paged_attention_decode(  # noqa: E731
             q, k_cache, v_cache, lens, table, D ** -0.5, ns, out=out,
             part_out=part_out, part_lse=part_lse, config=cfg)
         fn()
@@ -93,7 +97,7 @@ def bench_decode(name, seq_lens, sweep):
         else:
             assert torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2), "variant disagrees"
         t_eager, t_graph = time_fn(fn)
-        print(f"   BLOCK_N {cfg['BLOCK_N']:3d} warps {cfg['num_warps']} stages {cfg['num_stages']} "
+        print(f"   BLOCK_N {cfg.tiles.block_n:3d} warps {cfg.tiles.num_warps} stages {cfg.tiles.num_stages} "
               f"splits {ns:2d}: {t_eager * 1e6:8.1f} us eager ({kv_bytes / t_eager / 1e12:5.2f} TB/s), "
               f"{t_graph * 1e6:8.1f} us graph ({kv_bytes / t_graph / 1e12:5.2f} TB/s, "
               f"{100 * kv_bytes / t_graph / PEAK_BW:5.1f}% of 4.24) {tag}", flush=True)
@@ -110,15 +114,15 @@ def bench_mixed(name, prompt_lens, sweep, sdpa=False):
     qsl = torch.tensor(starts, dtype=torch.int32, device="cuda")
     flops = sum(4 * HQ * D * (p * (p + 1) // 2) for p in prompt_lens)
     print(f"\n== mixed kernel: {name}, causal ({flops / 1e9:.0f} GFLOP)", flush=True)
-    default_cfg = pa.mixed_config(D, DTYPE, HQ // HKV)
+    default_cfg = mixed_config(D, DTYPE, HQ // HKV)
     variants = [default_cfg]
     if sweep:
         for bq, bn, w, s in [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3),
                              (64, 32, 8, 4), (32, 128, 8, 2), (32, 64, 4, 2), (16, 64, 4, 3)]:
-            variants.append(dict(BLOCK_Q=bq, BLOCK_N=bn, num_warps=w, num_stages=s))
+            variants.append(MixedConfig(block_q=bq, block_n=bn, num_warps=w, num_stages=s))
     ref = None
     for cfg in variants:
-        fn = lambda: pa.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, D ** -0.5, config=cfg)  # noqa: E731
+        fn = lambda: paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, D ** -0.5, config=cfg)  # noqa: E731
         out = fn()
         if ref is None:
             ref = out.clone()
@@ -177,10 +181,10 @@ def bench_mixed_step():
     backend = TritonAttentionBackend(HQ, HKV, D, 256)
     print("\n== mixed step: 255 decodes (ctx ~1000) + a 2048-token chunk over a 2048 prefix", flush=True)
     split = backend.attend(q, k_cache, v_cache, meta, D ** -0.5)
-    whole = pa.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, D ** -0.5)
+    whole = paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, D ** -0.5)
     diff = (split.float() - whole.float()).abs().max().item()
     t_split, _ = time_fn(lambda: backend.attend(q, k_cache, v_cache, meta, D ** -0.5))
-    t_whole, _ = time_fn(lambda: pa.paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, D ** -0.5))
+    t_whole, _ = time_fn(lambda: paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, D ** -0.5))
     print(f"   backend (decodes -> decode kernel): {t_split * 1e6:8.1f} us; "
           f"mixed kernel for all: {t_whole * 1e6:8.1f} us (max |diff| {diff:.3g})", flush=True)
 

@@ -21,8 +21,13 @@ import triton.testing
 
 from benchmarks.common import kernel_benchmark_args
 from benchmarks.kernels.attention_kernels import BLOCK, DTYPE, HKV, HQ, PEAK_BW, D
-from minivllm.kernels import paged_attention as pa
 from minivllm.kernels import sm_count
+from minivllm.kernels.cascade_attention import (OwnKeysConfig, SharedPrefixConfig, launch_own_keys,
+                                                paged_attention_decode_shared_prefix, shared_prefix_config,
+                                                shared_prefix_num_splits)
+from minivllm.kernels.decode_attention import (DECODE_PROGRAMS_PER_SM, DECODE_SHARED_PREFIX, DecodeTiles,
+                                               decode_config, decode_num_splits, launch_decode_split,
+                                               paged_attention_decode)
 
 NUM_SEQS = 256
 PREFIX_LEN = 2048
@@ -76,10 +81,10 @@ def main() -> None:
           f"{suffix_tokens / NUM_SEQS:.0f} own tokens (mean); Hq {HQ}, Hkv {HKV}, D {D}, {DTYPE}")
 
     # Plain split-KV decode: every sequence reads its whole context.
-    splits = pa.decode_num_splits(NUM_SEQS, HKV, max(seq_lens), sms,
-                                  pa.decode_config(D, DTYPE, k_cache.dtype, NUM_SEQS)["programs_per_sm"])
+    splits = decode_num_splits(NUM_SEQS, HKV, max(seq_lens), sms,
+                               decode_config(D, DTYPE, k_cache.dtype, NUM_SEQS).programs_per_sm)
     plain_out = torch.empty_like(q)
-    plain = lambda: pa.paged_attention_decode(
+    plain = lambda: paged_attention_decode(
         q, k_cache, v_cache, lens, table, scale, splits, out=plain_out)
     plain()
     plain_bytes = sum(seq_lens) * token_bytes
@@ -90,10 +95,10 @@ def main() -> None:
 
     # Cascade: split counts as TritonAttentionBackend picks them, then the sweep's.
     rows = NUM_SEQS * (HQ // HKV)
-    default_cfg = pa.shared_prefix_config(D, DTYPE, k_cache.dtype, rows)
-    suffix_splits = pa.decode_num_splits(NUM_SEQS, HKV, max(seq_lens) - PREFIX_LEN, sms, pa.DECODE_PROGRAMS_PER_SM)
-    prefix_splits = pa.shared_prefix_num_splits(
-        triton.cdiv(rows, default_cfg["BLOCK_M"]), HKV, PREFIX_LEN, sms)
+    default_cfg = shared_prefix_config(D, DTYPE, k_cache.dtype, rows)
+    suffix_splits = decode_num_splits(NUM_SEQS, HKV, max(seq_lens) - PREFIX_LEN, sms, DECODE_PROGRAMS_PER_SM)
+    prefix_splits = shared_prefix_num_splits(
+        triton.cdiv(rows, default_cfg.block_m), HKV, PREFIX_LEN, sms)
     variants = [(default_cfg, prefix_splits, suffix_splits, "default")]
     if args.sweep:
         sweep_launches(q, k_cache, v_cache, lens, table, num_prefix_blocks, scale, default_cfg,
@@ -101,7 +106,7 @@ def main() -> None:
         for bm, bn, w, s in [(128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
                              (64, 128, 8, 2), (256, 64, 8, 2)]:
             for ps in [1, 2, 4, 8, 16]:
-                cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
+                cfg = SharedPrefixConfig(block_m=bm, tiles=DecodeTiles(block_n=bn, num_warps=w, num_stages=s))
                 variants.append((cfg, ps, suffix_splits, ""))
     max_parts = max(ps + ss for _, ps, ss, _ in variants)
     part_out = torch.empty(NUM_SEQS * HQ * max_parts * D, dtype=torch.float32, device="cuda")
@@ -109,7 +114,7 @@ def main() -> None:
     for cfg, ps, ss, tag in variants:
         out = torch.empty_like(q)
         def fn(cfg=cfg, ps=ps, ss=ss, out=out):  # bound now: do_bench calls it in this iteration
-            pa.paged_attention_decode_shared_prefix(
+            paged_attention_decode_shared_prefix(
                 q, k_cache, v_cache, lens, table, num_prefix_blocks, scale, prefix_splits=ps,
                 suffix_splits=ss, out=out, part_out=part_out, part_lse=part_lse, prefix_config=cfg)
         try:
@@ -123,8 +128,8 @@ def main() -> None:
         partial_bytes = 2 * NUM_SEQS * HQ * (ps + ss) * (D + 1) * 4
         cascade_bytes = (PREFIX_LEN + suffix_tokens) * token_bytes + partial_bytes
         t = graphed_s(fn)
-        print(f"   cascade BLOCK_M {cfg['BLOCK_M']:3d} BLOCK_N {cfg['BLOCK_N']:3d} warps "
-              f"{cfg['num_warps']} stages {cfg['num_stages']} splits {ps:2d}+{ss}: {t * 1e6:8.1f} us, "
+        print(f"   cascade BLOCK_M {cfg.block_m:3d} BLOCK_N {cfg.tiles.block_n:3d} warps "
+              f"{cfg.tiles.num_warps} stages {cfg.tiles.num_stages} splits {ps:2d}+{ss}: {t * 1e6:8.1f} us, "
               f"{cascade_bytes / 1e6:6.1f} MB -> {cascade_bytes / t / 1e12:5.2f} TB/s "
               f"(max |diff| vs plain {diff:.3g}) {tag}", flush=True)
 
@@ -139,17 +144,17 @@ def sweep_launches(q, k_cache, v_cache, lens, table, num_prefix_blocks, scale, p
     part_lse = torch.empty(NUM_SEQS * HQ * parts, dtype=torch.float32, device="cuda")
     out = torch.empty_like(q)
 
-    t = graphed_s(lambda: pa._launch_decode_split(
-        q, k_cache, v_cache, out, part_out, part_lse, lens, table, pa.DECODE_SHARED_PREFIX,
-        num_prefix_blocks, scale, prefix_splits, 0, parts, prefix_cfg))
-    print(f"   prefix launch alone (graphed, BLOCK_M {prefix_cfg['BLOCK_M']} BLOCK_N {prefix_cfg['BLOCK_N']}, "
+    t = graphed_s(lambda: launch_decode_split(
+        q, k_cache, v_cache, out, part_out, part_lse, lens, table, DECODE_SHARED_PREFIX,
+        num_prefix_blocks, scale, prefix_splits, 0, parts, prefix_cfg.block_m, prefix_cfg.tiles))
+    print(f"   prefix launch alone (graphed, BLOCK_M {prefix_cfg.block_m} BLOCK_N {prefix_cfg.tiles.block_n}, "
           f"splits {prefix_splits}): {t * 1e6:7.1f} us", flush=True)
     for heads, block_n, warps, stages in SUFFIX_TILES:
-        cfg = {"HEADS": heads, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
-        t = graphed_s(lambda cfg=cfg: pa._launch_own_keys(
+        cfg = OwnKeysConfig(heads=heads, block_n=block_n, num_warps=warps, num_stages=stages)
+        t = graphed_s(lambda cfg=cfg: launch_own_keys(
             q, k_cache, v_cache, out, part_out, part_lse, lens, table, num_prefix_blocks, scale, 1,
             prefix_splits, parts, cfg))
-        whole = graphed_s(lambda cfg=cfg: pa.paged_attention_decode_shared_prefix(
+        whole = graphed_s(lambda cfg=cfg: paged_attention_decode_shared_prefix(
             q, k_cache, v_cache, lens, table, num_prefix_blocks, scale, prefix_splits=prefix_splits,
             suffix_splits=1, out=out, part_out=part_out, part_lse=part_lse, prefix_config=prefix_cfg,
             suffix_config=cfg))

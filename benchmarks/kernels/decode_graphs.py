@@ -10,7 +10,7 @@ decode steps, without the sampling and the host's work around it. Unlike decode_
 attention launch at a time) this sees what the launches around the attention and PDL make of it.
 
 --splits N captures the graphs with N splits in every decode attention launch instead of
-paged_attention.decode_num_splits_for's count: how that heuristic is tuned.
+decode_attention.decode_num_splits_for's count: how that heuristic is tuned.
 
     python -m benchmarks.kernels.decode_graphs --kv-cache-dtype fp8 [--every 50] [--splits 3]
 """

@@ -29,7 +29,7 @@ import argparse
 import random
 import sys
 from collections.abc import Callable
-from typing import Any
+from dataclasses import replace
 
 import torch
 import triton
@@ -39,8 +39,10 @@ from benchmarks.common import DEFAULT_MAX_MODEL_LEN, shuffled_block_tables, w1_r
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.attention.torch_backend import TorchAttentionBackend, to_cache_dtype
 from minivllm.executor.cuda_graphs import graph_batch_sizes
-from minivllm.kernels import paged_attention as pa
 from minivllm.kernels import sm_count
+from minivllm.kernels.decode_attention import (DECODE_MAX_SPLITS, DECODE_PROGRAMS_PER_SM, DecodeConfig, DecodeTiles,
+                                               decode_config, decode_num_splits, decode_num_splits_for,
+                                               paged_attention_decode)
 
 HQ, HKV, D, BLOCK = 16, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -92,7 +94,7 @@ def max_error(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache
 
 
 def time_variant(seq_lens: list[int], padded: int, num_splits: int, gen: random.Random,
-                 kv_dtype: torch.dtype, config: dict | None) -> tuple[float, float]:
+                 kv_dtype: torch.dtype, config: DecodeConfig | None) -> tuple[float, float]:
     """Seconds per layer of the decode launch (split kernel + reduce) over seq_lens padded
     with empty rows to `padded`, timed inside a CUDA graph, and the launch's max_error (so a
     tile variant's time never comes without a check of its output); config: decode_config's,
@@ -107,8 +109,8 @@ def time_variant(seq_lens: list[int], padded: int, num_splits: int, gen: random.
 
     def step() -> None:
         for k_cache, v_cache, table in layers:
-            pa.paged_attention_decode(q, k_cache, v_cache, lens_dev, table, D ** -0.5, num_splits,
-                                      out=out, part_out=part_out, part_lse=part_lse, config=config)
+            paged_attention_decode(q, k_cache, v_cache, lens_dev, table, D ** -0.5, num_splits,
+                                   out=out, part_out=part_out, part_lse=part_lse, config=config)
     step()
     error = max_error(q, out, *layers[-1], lens)  # out holds the last layer's result
     seconds = triton.testing.do_bench_cudagraph(step, rep=60, return_mode="median") * 1e-3 / len(layers)
@@ -117,19 +119,21 @@ def time_variant(seq_lens: list[int], padded: int, num_splits: int, gen: random.
 
 # A variant: (context lengths in admission order, padded batch, engine split count) ->
 # (lengths as launched, split count, tile config or None for decode_config's).
-Variant = Callable[[list[int], int, int], tuple[list[int], int, dict[str, Any] | None]]
+Variant = Callable[[list[int], int, int], tuple[list[int], int, DecodeConfig | None]]
 
 
 def tile_variant(spec: str) -> Variant:
     """A --tiles entry, BLOCK_N/num_stages/num_warps[/programs per SM], as a launch longest
     first: the engine's split count, or the one that aims at that many programs an SM."""
     block_n, stages, warps, *programs_per_sm = (int(part) for part in spec.split("/"))
-    config = dict(BLOCK_N=block_n, num_stages=stages, num_warps=warps)
+    # The launch reads only the tiles; the split target is the count chosen below.
+    config = DecodeConfig(tiles=DecodeTiles(block_n=block_n, num_warps=warps, num_stages=stages),
+                          programs_per_sm=programs_per_sm[0] if programs_per_sm else DECODE_PROGRAMS_PER_SM)
     sms = sm_count(torch.device("cuda"))
 
-    def launch(lens: list[int], padded: int, splits: int) -> tuple[list[int], int, dict[str, Any]]:
+    def launch(lens: list[int], padded: int, splits: int) -> tuple[list[int], int, DecodeConfig]:
         if programs_per_sm:  # as the engine's graph, aimed at this tile's programs an SM
-            splits = pa.decode_num_splits(padded, HKV, DEFAULT_MAX_MODEL_LEN, sms, programs_per_sm[0])
+            splits = decode_num_splits(padded, HKV, DEFAULT_MAX_MODEL_LEN, sms, programs_per_sm[0])
         return sorted(lens, reverse=True), splits, config
     return launch
 
@@ -148,12 +152,13 @@ def variants(sweep: bool, kv_dtype: torch.dtype, tiles: list[str]) -> dict[str, 
         chosen["longest first, splits / 2"] = (
             lambda lens, padded, splits: (longest_first(lens), max(1, splits // 2), None))
         chosen["longest first, splits x 2"] = (
-            lambda lens, padded, splits: (longest_first(lens), min(pa.DECODE_MAX_SPLITS, splits * 2), None))
+            lambda lens, padded, splits: (longest_first(lens), min(DECODE_MAX_SPLITS, splits * 2), None))
         for factor, label in ((2, "x 2"), (0.5, "/ 2")):
             def scaled_tiles(lens: list[int], padded: int, splits: int,
-                             factor: float = factor) -> tuple[list[int], int, dict[str, Any]]:
-                engine_config = pa.decode_config(D, DTYPE, kv_dtype, padded)
-                return longest_first(lens), splits, engine_config | {"BLOCK_N": int(engine_config["BLOCK_N"] * factor)}
+                             factor: float = factor) -> tuple[list[int], int, DecodeConfig]:
+                engine_config = decode_config(D, DTYPE, kv_dtype, padded)
+                tiles = replace(engine_config.tiles, block_n=int(engine_config.tiles.block_n * factor))
+                return longest_first(lens), splits, replace(engine_config, tiles=tiles)
             chosen[f"longest first, BLOCK_N {label}"] = scaled_tiles
     for spec in tiles:
         chosen[f"tiles {spec}"] = tile_variant(spec)
@@ -175,8 +180,8 @@ def run(every: int, chosen: dict[str, Variant], kv_dtype: torch.dtype) -> None:
           f"per-layer times, bandwidth = K+V bytes / time", flush=True)
     for step, seq_lens in w1_decode_batches(every):
         padded = next(s for s in sizes if s >= len(seq_lens))
-        engine_cfg = pa.decode_config(D, DTYPE, kv_dtype, padded)
-        splits = pa.decode_num_splits_for(engine_cfg, padded, HKV, DEFAULT_MAX_MODEL_LEN, sms)  # as the engine's graph
+        engine_cfg = decode_config(D, DTYPE, kv_dtype, padded)
+        splits = decode_num_splits_for(engine_cfg, padded, HKV, DEFAULT_MAX_MODEL_LEN, sms)  # as the engine's graph
         layer_bytes = kv_bytes(sum(seq_lens), kv_dtype)
         cells = []
         times = {}

@@ -15,8 +15,9 @@ cascade kernels when the runner sets meta.num_shared_prefix_blocks: the shared p
 once per tile of queries instead of once per sequence. Also capturable: the prefix length is
 read on the device, split counts follow meta.max_seq_len.
 
-What each kind of step launches per layer (kernels/paged_attention.py; the graph kind is
-StepInputs.graph_kind, the cascade choice step_inputs.shared_prefix_blocks):
+What each kind of step launches per layer (kernels/decode_attention.py, cascade_attention.py
+and mixed_attention.py; the graph kind is StepInputs.graph_kind, the cascade choice
+step_inputs.shared_prefix_blocks):
 
 * decodes only (graph "decode"): _decode_split_kernel (DECODE_PLAIN), then
   _decode_reduce_kernel if the contexts are split.
@@ -32,7 +33,12 @@ import torch
 
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.kernels import cdiv, next_power_of_2, sm_count
-from minivllm.kernels.paged_attention import (
+from minivllm.kernels.cascade_attention import (
+    paged_attention_decode_shared_prefix,
+    shared_prefix_config,
+    shared_prefix_num_splits,
+)
+from minivllm.kernels.decode_attention import (
     DECODE_MAX_SPLITS,
     DECODE_PROGRAMS_PER_SM,
     MOST_DECODE_PROGRAMS_PER_SM,
@@ -41,11 +47,8 @@ from minivllm.kernels.paged_attention import (
     decode_num_splits,
     decode_num_splits_for,
     paged_attention_decode,
-    paged_attention_decode_shared_prefix,
-    paged_attention_mixed,
-    shared_prefix_config,
-    shared_prefix_num_splits,
 )
+from minivllm.kernels.mixed_attention import paged_attention_mixed
 
 
 class TritonAttentionBackend:
@@ -157,7 +160,7 @@ class TritonAttentionBackend:
         num_sms = self._sm_count(q.device)
         num_rows = num_seqs * (num_q_heads // num_kv_heads)  # (sequence, head) rows per KV head
         prefix_cfg = shared_prefix_config(head_dim, q.dtype, k_cache.dtype, num_rows)
-        num_row_tiles = cdiv(num_rows, prefix_cfg["BLOCK_M"])
+        num_row_tiles = cdiv(num_rows, prefix_cfg.block_m)
         prefix_splits = shared_prefix_num_splits(num_row_tiles, num_kv_heads, max_seq_len, num_sms,
                                                  self.max_splits)
         suffix_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms, DECODE_PROGRAMS_PER_SM,
@@ -180,7 +183,7 @@ class TritonAttentionBackend:
         device = k_cache.device
         batch_for_tile = {}  # BLOCK_M -> a batch size that uses it
         for num_seqs in range(1, max_num_seqs + 1):
-            block_m = shared_prefix_config(head_dim, dtype, k_cache.dtype, num_seqs * gqa)["BLOCK_M"]
+            block_m = shared_prefix_config(head_dim, dtype, k_cache.dtype, num_seqs * gqa).block_m
             batch_for_tile.setdefault(block_m, num_seqs)
         for num_seqs in batch_for_tile.values():
             meta = AttentionMetadata(

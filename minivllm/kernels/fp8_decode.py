@@ -1,6 +1,6 @@
 """Decode attention over an FP8 (e4m3) KV cache, in Gluon (Triton's layout-explicit dialect).
 
-The same computation as paged_attention's split-KV decode (one program per (KV head, split,
+The same computation as decode_attention.py's split-KV decode (one program per (KV head, split,
 sequence), partial results merged by its reduce kernel), laid out so that an e4m3 tile costs
 few instructions and no shared-memory round trip between its load and the tensor cores:
 
@@ -15,9 +15,9 @@ few instructions and no shared-memory round trip between its load and the tensor
   cvt.rn.f16x2.e4m3x2 straight into the mma operands (for V after pairing two keys' bytes
   with one prmt, as mma packs two consecutive keys per register).
 
-fp16 dots as paged_attention.dot_dtype gives for FP8 caches: every e4m3 value is exact in
+fp16 dots as attention_tiles.dot_dtype gives for FP8 caches: every e4m3 value is exact in
 fp16. Gluon kernels do not run under Triton's interpreter: the CPU tests take
-paged_attention's Triton kernel (decode_config chooses), the GPU tests this one.
+decode_attention.py's Triton kernel (decode_config chooses), the GPU tests this one.
 """
 
 import torch
@@ -33,7 +33,7 @@ HEAD_DIM = gl.constexpr(128)
 STAGES = gl.constexpr(3)  # tiles in shared memory: two in flight while one is read
 PROGRAMS_PER_SM = 9  # 3 x 8 KB of K/V tiles a program: 9 fit an SM's shared memory
 # A launch of fewer contexts than about one wave of programs (PROGRAMS_PER_SM an SM) splits
-# them into this many waves (paged_attention.decode_num_splits): in a single wave the SMs'
+# them into this many waves (decode_attention.decode_num_splits): in a single wave the SMs'
 # one-warp programs end unevenly (contexts differ in length) and leave the SMs ever less
 # to stream. Contexts that fill a fraction of a wave within FEW_CONTEXTS_WAVES are split into
 # FEW_CONTEXTS_SPLIT_WAVES waves: more splits there shorten each program's stream more than
@@ -176,7 +176,7 @@ def _fp8_decode_kernel(
     split = gl.program_id(1)
     seq = gl.program_id(2)
     kv_len = gl.load(seq_lens_ptr + seq)
-    # As paged_attention's split kernel: the context shared evenly in whole tiles.
+    # As decode_attention.py's split kernel: the context shared evenly in whole tiles.
     tiles_per_split = ((kv_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N
     first = split * tiles_per_split
     end = gl.minimum(first + tiles_per_split, (kv_len + BLOCK_N - 1) // BLOCK_N)
@@ -280,7 +280,7 @@ def launch_fp8_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       part_out: torch.Tensor, part_lse: torch.Tensor, seq_lens: torch.Tensor,
                       block_tables: torch.Tensor, scale_log2: float, num_splits: int) -> None:
     """One launch over the batch (split results into part_out / part_lse when num_splits > 1,
-    for paged_attention's reduce; else straight into out)."""
+    for decode_attention.py's reduce; else straight into out)."""
     num_seqs, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert supports(head_dim, q.dtype, k_cache.dtype)
