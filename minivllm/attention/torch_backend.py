@@ -1,7 +1,13 @@
-"""The reference attention backend: gathers each sequence's pages and runs SDPA.
+"""The reference attention backend: paged attention in plain torch (SDPA).
 
-Plain torch, so it runs on CPU and GPU alike; the Triton kernels are tested against it.
+Plain torch, so it runs on CPU and GPU alike; the Triton kernels are tested against it. A
+step's decodes (the one-token sequences that lead the batch) take one SDPA call together,
+over their contexts gathered from the cache and padded to the longest. Each prompt chunk
+takes a call of its own: its many queries amortise the call, and padding chunks of unequal
+lengths to one another would waste work quadratically.
 """
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,34 +35,91 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache.view(num_slots, *v_cache.shape[2:])[slots] = to_cache_dtype(value[keep], v_cache.dtype)
 
 
+@dataclass(frozen=True)
+class _Call:
+    """One SDPA call: `num_seqs` sequences of `query_len` new tokens each (the decodes, or
+    one prompt chunk), query rows q[start:end], contexts padded to `context_len` keys."""
+
+    start: int
+    end: int
+    num_seqs: int
+    query_len: int
+    context_len: int
+    kv_rows: torch.Tensor  # [num_seqs * Hkv * context_len] rows of the cache viewed as [slots * Hkv, D]
+    mask: torch.Tensor  # [num_seqs, 1, query_len, context_len]: the keys each query sees
+
+
 class TorchAttentionBackend:
+    def __init__(self) -> None:
+        # The calls of the step being run, planned by its first layer for all of them.
+        self._step: tuple[AttentionMetadata, list[_Call]] | None = None
+        # K and V gathered for a call, [2, rows, D] in the cache's dtype: one buffer for every
+        # call, as fresh buffers of a few MB cost more in page faults than the gather itself.
+        self._gathered = torch.empty(2, 0, 0)
+
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         assert meta.seq_lens_cpu is not None and meta.query_start_loc_cpu is not None, \
             "the torch backend needs host lengths (it cannot run inside CUDA graphs)"
-        block_size = k_cache.shape[1]
+        if self._step is None or self._step[0] is not meta:
+            self._step = meta, _plan(meta, k_cache.shape[1], k_cache.shape[2])
         out = torch.empty_like(q)
-        starts = meta.query_start_loc_cpu
-        for b, seq_len in enumerate(meta.seq_lens_cpu):
-            q_start, q_end = starts[b], starts[b + 1]
-            num_blocks = -(-seq_len // block_size)
-            blocks = meta.block_tables[b, :num_blocks]
-            # [seq_len, Hkv, D] -> [Hkv, seq_len, D], in q's dtype (an FP8 cache's values widened)
-            k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
-            v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
-            query = q[q_start:q_end].transpose(0, 1)
-            out[q_start:q_end] = _causal_attention(query, k, v, scale).transpose(0, 1)
+        for call in self._step[1]:
+            out[call.start:call.end] = self._attend(q, k_cache, v_cache, call, scale)
         return out
 
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, call: _Call,
+                scale: float) -> torch.Tensor:
+        """Rows q[call.start:call.end] [num_seqs * query_len, Hq, D] attended over their contexts."""
+        num_heads, head_dim = q.shape[1:]
+        num_kv_heads = k_cache.shape[2]
+        rows = call.kv_rows.numel()
+        buffer = self._gathered
+        if buffer.shape[1] < rows or (buffer.shape[2], buffer.dtype, buffer.device) != (
+                head_dim, k_cache.dtype, k_cache.device):
+            buffer = self._gathered = torch.empty(2, max(rows, 2 * buffer.shape[1]), head_dim, dtype=k_cache.dtype,
+                                                  device=k_cache.device)
+        # [num_seqs, Hkv, context_len, D], in q's dtype (an FP8 cache's values widened)
+        k, v = (torch.index_select(cache.view(-1, head_dim), 0, call.kv_rows, out=buffer[i, :rows])
+                .view(call.num_seqs, num_kv_heads, call.context_len, head_dim).to(q.dtype)
+                for i, cache in enumerate((k_cache, v_cache)))
+        queries = q[call.start:call.end]
+        if call.query_len == 1:
+            # Query head h uses KV head h // group: each KV head's group of query heads goes in
+            # as that many query rows, so that the keys are read once per KV head.
+            out = F.scaled_dot_product_attention(queries.view(call.num_seqs, num_kv_heads, -1, head_dim), k, v,
+                                                 attn_mask=call.mask, scale=scale)
+            return out.view(-1, num_heads, head_dim)
+        out = F.scaled_dot_product_attention(queries.transpose(0, 1)[None], k, v, attn_mask=call.mask,
+                                             scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [Hq, Lq, D] holds the last Lq of the Lk positions in k/v [Hkv, Lk, D]."""
-    num_q, num_k = q.shape[1], k.shape[1]
-    group = q.shape[0] // k.shape[0]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=0)
-        v = v.repeat_interleave(group, dim=0)
-    # Query i sits at position num_k - num_q + i and sees keys up to it.
-    q_pos = torch.arange(num_k - num_q, num_k, device=q.device)[:, None]
-    mask = torch.arange(num_k, device=q.device)[None, :] <= q_pos
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+def _plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int) -> list[_Call]:
+    """The step's SDPA calls: its leading decodes together, then each prompt chunk."""
+    qsl = meta.query_start_loc_cpu
+    num_decodes = meta.num_leading_decodes
+    spans = [(0, num_decodes)] if num_decodes else []
+    spans += [(b, b + 1) for b in range(num_decodes, len(qsl) - 1) if qsl[b + 1] > qsl[b]]
+    return [_call(meta, first, last, block_size, num_kv_heads) for first, last in spans]
+
+
+def _call(meta: AttentionMetadata, first: int, last: int, block_size: int, num_kv_heads: int) -> _Call:
+    """The call for sequences first..last-1, which all have the same number of new tokens."""
+    qsl = meta.query_start_loc_cpu
+    device = meta.block_tables.device
+    query_len = qsl[first + 1] - qsl[first]
+    context_len = max(meta.seq_lens_cpu[first:last])
+    seq_lens = torch.tensor(meta.seq_lens_cpu[first:last], device=device)[:, None]
+    keys = torch.arange(context_len, device=device)
+    # Padding keys repeat the sequence's last key: finite values that the mask hides, rather
+    # than whatever the cache holds past the context (stale, or never written).
+    positions = torch.minimum(keys, seq_lens - 1)
+    slots = meta.block_tables[first:last].long().gather(1, positions // block_size) * block_size \
+        + positions % block_size
+    kv_rows = slots[:, None, :] * num_kv_heads + torch.arange(num_kv_heads, device=device)[:, None]
+    # A sequence's new tokens are its last: query i sits at position seq_len - query_len + i.
+    query_positions = seq_lens - query_len + torch.arange(query_len, device=device)
+    return _Call(start=qsl[first], end=qsl[last], num_seqs=last - first, query_len=query_len,
+                 context_len=context_len, kv_rows=kv_rows.flatten(),
+                 mask=(keys <= query_positions[:, :, None])[:, None])

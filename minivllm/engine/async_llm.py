@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from minivllm.config import EngineConfig
+from minivllm.config import EngineConfig, cpu_threads
 from minivllm.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.metrics import EngineStats, ServingMetrics
@@ -165,9 +165,10 @@ class AsyncLLM:
         ctx = mp.get_context("spawn")  # forking a process that may have touched CUDA is unsafe
         core_commands, self._commands = ctx.Pipe(duplex=False)
         self._results, core_results = ctx.Pipe(duplex=False)
-        # Not a daemon: the core starts tensor-parallel workers of its own.
+        # Not a daemon: the core starts tensor-parallel workers of its own. Its intra-op threads
+        # leave a core to this process, which tokenizes, detokenizes and streams meanwhile.
         self.engine_process = ctx.Process(target=_engine_core, name="minivllm-engine",
-                                          args=(config, core_commands, core_results, torch.get_num_threads(),
+                                          args=(config, core_commands, core_results, cpu_threads(reserved_cores=1),
                                                 logging.getLogger().getEffectiveLevel()))
         self.engine_process.start()
         core_commands.close()

@@ -87,7 +87,6 @@ def _channel_bytes(config: EngineConfig) -> int:
 
 
 def _worker_main(config: EngineConfig, rank: int, init_method: str, channel: _Channel, num_threads: int) -> None:
-    # As many intra-op threads as rank 0: more would only contend for the same cores.
     torch.set_num_threads(num_threads)
     distributed.init_distributed(rank, config.tensor_parallel_size, init_method, config.device)
     runner = None
@@ -114,10 +113,14 @@ class Workers:
         ctx = mp.get_context("spawn")  # forking a process that has touched CUDA is unsafe
         self.channel = _Channel(size - 1, _channel_bytes(config))
         init_method = distributed.free_local_init_method()
+        # The ranks share the engine's intra-op threads (rank 0's count, cpu_threads' or the
+        # user's): each rank its own count would put size times too many on the same cores.
+        num_threads = max(1, torch.get_num_threads() // size)
+        torch.set_num_threads(num_threads)
         # Daemons: multiprocessing ends them if rank 0 exits without shutting down.
         self.processes: list[BaseProcess] = [
             ctx.Process(target=_worker_main, name=f"minivllm-tp{rank}", daemon=True,
-                        args=(config, rank, init_method, self.channel, torch.get_num_threads()))
+                        args=(config, rank, init_method, self.channel, num_threads))
             for rank in range(1, size)]
         for process in self.processes:
             process.start()
