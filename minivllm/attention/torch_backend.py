@@ -28,11 +28,15 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
              slot_mapping: torch.Tensor) -> None:
     """This step's K and V [N, Hkv, D] into their cache slots (slot < 0: not stored). With
     Triton, fused_ops.qk_norm_rope_store does this inside its kernel."""
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(num_slots, *k_cache.shape[2:])[slots] = to_cache_dtype(key[keep], k_cache.dtype)
-    v_cache.view(num_slots, *v_cache.shape[2:])[slots] = to_cache_dtype(value[keep], v_cache.dtype)
+    # index_copy_ rather than an indexed assignment (index_put_): the same rows written, at a
+    # fraction of the CPU time.
+    for cache, new in ((k_cache, key), (v_cache, value)):
+        rows = to_cache_dtype(new[keep], cache.dtype)
+        if cache.element_size() == 1:  # index_copy_ has no FP8 kernel on CPU: copy the bytes
+            cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
 
 
 @dataclass(frozen=True)
