@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.executor.distributed import all_reduce, tp_rank, tp_size
+from minivllm.distributed import all_reduce, tp_rank, tp_size
 
 # Where a checkpoint tensor goes in the packed weights: (expert, shard). expert is None
 # when the tensor holds every expert (a leading expert dimension, as transformers' packed

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.executor.distributed import all_reduce, tp_rank, tp_size
+from minivllm.distributed import all_reduce, tp_rank, tp_size
 from minivllm.kernels import SplitKPartials
 from minivllm.layers.activation import SiluAndMul
 

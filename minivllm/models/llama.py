@@ -13,7 +13,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from minivllm.attention.metadata import AttentionMetadata
-from minivllm.executor.distributed import tp_size
+from minivllm.distributed import tp_size
 from minivllm.kernels import SplitKPartials
 from minivllm.layers.attention import Attention
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
