@@ -64,10 +64,6 @@ _LAYER_NAMES = {
 }
 
 
-def is_gguf(path: str) -> bool:
-    return path.endswith(".gguf")
-
-
 def _reader(path: str) -> GGUFReader:
     try:
         return GGUFReader(path)
