@@ -3,6 +3,8 @@ attention backends with their q/k prologue, and a whole model built both ways gi
 outputs. The Triton side runs in Triton's interpreter on CPU (tests/conftest.py), in fp32 and
 fp16 only (the interpreter mishandles bf16)."""
 
+import gc
+import weakref
 from collections.abc import Callable
 from itertools import accumulate
 from typing import TypeVar
@@ -74,9 +76,25 @@ def test_forward_is_bound_once_by_the_build_context() -> None:
         assert triton_kernels_enabled()  # the outer choice is back
     assert not triton_kernels_enabled()
     # Leaving the context changes nothing for the ops built inside it.
-    assert norm.forward == norm.forward_native and not norm.uses_triton
-    assert fused.forward == fused.forward_triton and fused.uses_triton
-    assert inner.forward == inner.forward_native and not inner.uses_triton
+    assert norm._forward_method is RMSNorm.forward_native and not norm.uses_triton
+    assert fused._forward_method is RMSNorm.forward_triton and fused.uses_triton
+    assert inner._forward_method is RMSNorm.forward_native and not inner.uses_triton
+
+
+def test_a_dropped_model_is_freed_without_the_garbage_collector(tiny_model_factory: TinyModelFactory) -> None:
+    """No reference cycles: a model's weights go as soon as the model does, even while the
+    collector is off (an engine freezes its start-up objects)."""
+    config = AutoConfig.from_pretrained(tiny_model_factory("Qwen3MoeForCausalLM"))
+    gc.disable()
+    try:
+        for use_triton in (False, True):
+            with use_triton_kernels(use_triton):
+                model = build_model(config, 64)
+            weights = weakref.ref(model.model.layers[0].mlp.experts.w13)
+            del model
+            assert weights() is None
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -11,7 +11,7 @@ so the choice is made once, for every op of the model, rather than passed to eac
 constructor or tested at each call. Outside such a context ops are built with torch.
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -43,9 +43,14 @@ class CustomOp(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.uses_triton = triton_kernels_enabled()
-        # An instance attribute shadows the class's forward: nn.Module.__call__ goes straight
-        # to the chosen implementation, with no branch or extra call per step.
-        self.forward = self.forward_triton if self.uses_triton else self.forward_native
+        # The class's function, not a bound method: a method of self kept on self would be a
+        # reference cycle, and the op's weights would outlive a dropped model until the garbage
+        # collector's next full pass (and all along while an engine keeps them frozen, gc.freeze).
+        self._forward_method: Callable[..., Any] = (type(self).forward_triton if self.uses_triton
+                                                    else type(self).forward_native)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward_method(self, *args, **kwargs)
 
     def forward_native(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
