@@ -28,8 +28,8 @@ def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """This step's K and V [N, Hkv, D] into their cache slots (slot < 0: not stored). The
-    Triton backend does this inside fused_ops.qk_norm_rope_store's kernel."""
+    """This step's K and V [N, Hkv, D] into their cache slots (slot < 0: not stored). With
+    Triton, fused_ops.qk_norm_rope_store does this inside its kernel."""
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
