@@ -89,7 +89,7 @@ def _preset_dir(name: str) -> Path:
 
 
 def resolve_model(model: str, load_format: str = "auto") -> ModelSpec:
-    """A directory is used as is; a preset name of minivllm.demo becomes a config-only
+    """A directory is used as is; a preset name (benchmarks/presets.py) becomes a config-only
     directory (config.json + demo tokenizer) run with random weights."""
     if os.path.isdir(model):
         path = model
@@ -181,7 +181,7 @@ def warmup_prompt(vocab_size: int) -> list[int]:
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     """Arguments every benchmark takes: the model, engine knobs, size and output."""
     parser.add_argument("--model", default="qwen3-0.6b",
-                        help="model directory, or a minivllm.demo preset name (random weights)")
+                        help="model directory, or a benchmarks/presets.py preset name (random weights)")
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="for a directory: 'dummy' ignores its weights (presets are always dummy)")
     parser.add_argument("--dtype", default="auto")

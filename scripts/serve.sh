@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 if [[ $# -eq 0 || "$1" == -* ]]; then
-    model=$(.venv/bin/python -c "from minivllm.demo import demo_model_dir, smollm2_path
+    model=$(.venv/bin/python -c "from minivllm.local_models import demo_model_dir, smollm2_path
 print(smollm2_path() or demo_model_dir())")
     echo "No model given: serving $model as \"demo\"." >&2
     set -- "$model" --served-model-name demo "$@"

@@ -35,7 +35,7 @@ ATTENTION_TOL = {
 
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from minivllm.demo import build_tiny_model, build_tokenizer  # noqa: E402
+from minivllm.local_models import build_tiny_model, build_tokenizer  # noqa: E402
 
 TinyModelFactory = Callable[..., str]
 

@@ -91,7 +91,7 @@ def test_gate_up_layer_takes_the_fused_kernel_only_for_routed_batches(monkeypatc
         module, flag, first, last = batch_module, "use_batch_matmul", MIN_ROWS, MAX_ROWS
     monkeypatch.setattr(module, f"{kernel}_silu_and_mul",
                         lambda x, w: torch.full((x.shape[0], w.shape[0] // 2), 1234.0))
-    layer = GateUpParallelLinear(16, 8, use_triton=False)
+    layer = GateUpParallelLinear(16, 8)
     layer.weight.data.copy_(torch.randn(16, 16, generator=torch.Generator().manual_seed(0)))
     for rows, chosen in [(first - 1, True), (first, True), (last, True), (last + 1, True), (first, False)]:
         setattr(layer, flag, chosen)

@@ -16,7 +16,7 @@ def test_generate_with_model(tiny_model_factory, capsys: pytest.CaptureFixture) 
 
 def test_generate_demo_model(tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr("minivllm.demo.smollm2_path", lambda: None)
+    monkeypatch.setattr("minivllm.local_models.smollm2_path", lambda: None)
     main(["generate", "--prompt", "Hi", "--max-tokens", "3", "--ignore-eos", "--chat"])
     captured = capsys.readouterr()
     assert "RANDOM weights" in captured.err

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerFast
 
-from minivllm.demo import IM_END, IM_START, build_tokenizer
+from minivllm.local_models import IM_END, IM_START, build_tokenizer
 from minivllm.engine.detokenizer import IncrementalDetokenizer, detokenize
 from minivllm.sampling_params import SamplingParams
 

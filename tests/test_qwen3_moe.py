@@ -68,7 +68,7 @@ def test_packed_expert_checkpoint(tiny_model_factory, tmp_path: Path) -> None:
 def test_fused_moe_torch_path_matches_per_token_reference() -> None:
     num_experts, hidden, inter, tokens, top_k = 6, 16, 12, 10, 2
     gen = torch.Generator().manual_seed(0)
-    layer = FusedMoE(num_experts, hidden, inter, use_triton=False)
+    layer = FusedMoE(num_experts, hidden, inter)
     layer.w13.data = torch.randn(num_experts, 2 * inter, hidden, generator=gen)
     layer.w2.data = torch.randn(num_experts, hidden, inter, generator=gen)
     x = torch.randn(tokens, hidden, generator=gen)
@@ -93,12 +93,12 @@ def test_weight_loader_splits_each_expert_across_ranks(monkeypatch: pytest.Monke
     num_experts, hidden, inter = 3, 4, 6
     gate, up = torch.randn(2, num_experts, inter, hidden).unbind()
     down = torch.randn(num_experts, hidden, inter)
-    per_expert = FusedMoE(num_experts, hidden, inter, use_triton=False)
+    per_expert = FusedMoE(num_experts, hidden, inter)
     for e in range(num_experts):
         per_expert.weight_loader(per_expert.w13, gate[e], (e, 0))
         per_expert.weight_loader(per_expert.w13, up[e], (e, 1))
         per_expert.weight_loader(per_expert.w2, down[e], (e, None))
-    packed = FusedMoE(num_experts, hidden, inter, use_triton=False)
+    packed = FusedMoE(num_experts, hidden, inter)
     packed.weight_loader(packed.w13, torch.cat([gate, up], dim=1), (None, None))
     packed.weight_loader(packed.w2, down, (None, None))
     for layer in (per_expert, packed):

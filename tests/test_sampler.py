@@ -1,7 +1,7 @@
 """Sampler tests: each feature against a direct per-row computation (CPU).
 
 Random rows sample with the torch Gumbel-max formula, or with the Triton kernel
-(Sampler(use_triton=True), as on CUDA); tests taking the `sampler` fixture run both, the
+(a Sampler built under use_triton_kernels, as on CUDA); tests taking the `sampler` fixture run both, the
 kernel under Triton's interpreter (slow: about 30 ms per row, so those tests keep batches
 and step counts small).
 tests/test_sampling_kernel.py tests the kernel itself against the torch formula."""
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from minivllm.layers.custom_op import use_triton_kernels
 from minivllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow, gumbel_noise
 from minivllm.sampling_params import SamplingParams
 
@@ -49,7 +50,8 @@ def kept(processed_row: torch.Tensor) -> set[int]:
 def sampler(request: pytest.FixtureRequest) -> Sampler:
     """A sampler drawing random rows with the torch formula, or with the Triton kernel (as on
     CUDA)."""
-    return Sampler(use_triton=request.param == "triton")
+    with use_triton_kernels(request.param == "triton"):
+        return Sampler()
 
 
 # --- direct per-row references ---------------------------------------------------------
@@ -256,7 +258,7 @@ def test_gumbel_noise_distribution_and_tail() -> None:
 
 def test_minus_inf_tokens_never_sampled(sampler: Sampler) -> None:
     """Only a few finite logits, all very low, under a high temperature: still only them."""
-    n = 200 if not sampler.use_triton else 6
+    n = 200 if not sampler.gumbel_max_sample.uses_triton else 6
     logits = torch.full((n, V), -INF)
     logits[:, [2, 40, 63]] = -80.0
     logits[::2, 41] = -90.0
@@ -434,7 +436,7 @@ def run_seeded(sampler: Sampler, position: int, others: list[SamplingParams], st
 @pytest.mark.parametrize("top_k", [40, 0])  # the pre-scaled (filtered) path, and the plain one
 def test_seeded_rows_reproducible_and_batch_independent(sampler: Sampler, top_k: int) -> None:
     params = SamplingParams(temperature=1.0, seed=42, top_k=top_k)
-    steps = 30 if not sampler.use_triton else 5
+    steps = 30 if not sampler.gumbel_max_sample.uses_triton else 5
     reference = run_seeded(sampler, 0, [], steps, 42, params)
     assert len(set(reference)) > steps // 2  # it really samples
     compositions = [
@@ -443,7 +445,7 @@ def test_seeded_rows_reproducible_and_batch_independent(sampler: Sampler, top_k:
         (1, [SamplingParams(min_p=0.2, logprobs=2), SamplingParams(temperature=0.0)]),
         (4, [SamplingParams(top_k=3)] * 6),
     ]
-    if sampler.use_triton:
+    if sampler.gumbel_max_sample.uses_triton:
         compositions = compositions[1:3]  # the interpreter is slow
     for position, others in compositions:
         torch.manual_seed(position)  # the unseeded rows' RNG state must not matter
@@ -457,7 +459,7 @@ def test_two_rows_same_seed_same_tokens(sampler: Sampler) -> None:
     gens = [torch.Generator().manual_seed(7), None, torch.Generator().manual_seed(7)]
     params = [SamplingParams(temperature=1.0, seed=7)] * 3
     tokens = []
-    for _ in range(20 if not sampler.use_triton else 4):
+    for _ in range(20 if not sampler.gumbel_max_sample.uses_triton else 4):
         sampled = sampler(logits, build(make_rows(params, generators=gens))).sampled_token_ids
         assert sampled[0] == sampled[2]
         tokens.append(sampled[0].item())

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 import minivllm
 from minivllm import LLM, SamplingParams
-from minivllm.demo import smollm2_path
+from minivllm.local_models import smollm2_path
 from minivllm.entrypoints.cli import main
 from tests.server_utils import RemoteServer
 

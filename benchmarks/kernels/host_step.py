@@ -52,7 +52,7 @@ def main() -> None:
     torch.set_num_threads(1)
 
     from minivllm import LLM
-    from minivllm.demo import build_tiny_model
+    from minivllm.local_models import build_tiny_model
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.engine.scheduler import Scheduler
     from minivllm.executor.model_runner import ModelRunner

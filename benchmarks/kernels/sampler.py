@@ -12,7 +12,8 @@ Logits [B, V] in bf16 (the lm head's dtype), V = 151,936 (Qwen3's vocabulary), B
             sampler's path without penalties, min_tokens or filters)
 * kernel32  the kernel on a float32 copy, T = 1 (the path after penalties or filters, which
             work on a float32 copy; the copy and the filters themselves are not timed)
-* sampler   Sampler(use_triton=True)(logits, meta) for the same rows: the per-row seed draw plus the kernel
+* sampler   Sampler()(logits, meta), built under use_triton_kernels, for the same rows: the per-row
+            seed draw plus the kernel
 
 Times are do_bench medians in microseconds (each call launched from Python, L2 flushed
 between calls). GB/s is the floor's traffic, the variant's input logits read once, over
@@ -27,6 +28,7 @@ import triton.testing
 
 from benchmarks.common import kernel_benchmark_args
 from minivllm.kernels import sampling
+from minivllm.layers.custom_op import use_triton_kernels
 from minivllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from minivllm.sampling_params import SamplingParams
 
@@ -56,7 +58,8 @@ def variants(num_rows: int) -> dict[str, tuple[Callable[[], object], int]]:
     seeds = torch.randint(0, 2**62, (num_rows,), device="cuda")
     rows = [SamplingRow(SamplingParams(temperature=TEMPERATURE), [], [])] * num_rows
     meta = SamplingMetadata.build(rows, VOCAB, "cuda")
-    sampler = Sampler(use_triton=True)
+    with use_triton_kernels(True):
+        sampler = Sampler()
     n16, n32 = logits.numel() * logits.element_size(), logits32.numel() * logits32.element_size()
     return {
         "torch": (lambda: old_torch_sample(logits, temperature), n16),

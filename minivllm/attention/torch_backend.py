@@ -1,6 +1,7 @@
 """The reference attention backend: paged attention in plain torch (SDPA).
 
-Plain torch, so it runs on CPU and GPU alike; the Triton kernels are tested against it. A
+Plain torch, so it runs on CPU and GPU alike; the Triton kernels are tested against it. Per
+layer, `forward` applies the q/k prologue with torch ops, stores K/V (`store_kv`) and attends. A
 step's decodes (the one-token sequences that lead the batch) take one SDPA call together,
 over their contexts gathered from the cache and padded to the longest. Each prompt chunk
 takes a call of its own: its many queries amortise the call, and padding chunks of unequal
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.attention.metadata import AttentionMetadata
+from minivllm.attention.qk_prologue import QKPrologue
 
 
 def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
@@ -61,8 +63,16 @@ class TorchAttentionBackend:
         # call, as fresh buffers of a few MB cost more in page faults than the gather itself.
         self._gathered = torch.empty(2, 0, 0)
 
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, prologue: QKPrologue, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        q, k = prologue.apply_native(positions, q, k)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention of q over the cache, this step's K/V already stored."""
         assert meta.seq_lens_cpu is not None and meta.query_start_loc_cpu is not None, \
             "the torch backend needs host lengths (it cannot run inside CUDA graphs)"
         if self._step is None or self._step[0] is not meta:

@@ -1,8 +1,9 @@
 """Triton attention backend: paged prefill/mixed attention, split-KV decode.
 
 Same interface as the torch reference backend (torch_backend.py):
-    attend(q, k_cache, v_cache, meta, scale) -> out
-(the KV store is fused into the kernel before it: fused_ops.qk_norm_rope_store)
+    forward(positions, q, k, v, k_cache, v_cache, prologue, meta, scale) -> out
+Per layer, forward launches fused_ops.qk_norm_rope_store (the q/k prologue: norms and RoPE,
+and the K/V store, in one kernel), then attends (`attend`).
 
 Decode-only steps (meta.max_query_len == 1) take the split-KV decode kernel. Mixed steps
 send their leading one-token sequences (decodes first: ScheduledBatch) to the
@@ -32,7 +33,8 @@ step_inputs.shared_prefix_blocks):
 import torch
 
 from minivllm.attention.metadata import AttentionMetadata
-from minivllm.kernels import cdiv, next_power_of_2, sm_count
+from minivllm.attention.qk_prologue import QKPrologue
+from minivllm.kernels import cdiv, fused_ops, next_power_of_2, sm_count
 from minivllm.kernels.cascade_attention import (
     paged_attention_decode_shared_prefix,
     shared_prefix_config,
@@ -103,6 +105,14 @@ class TritonAttentionBackend:
             self._alloc_workspace(rows, head_dim, device)
 
     # -- public interface ----------------------------------------------------------------
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, prologue: QKPrologue, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """Overwrites q with its normed, rotated values (the kernel works in place)."""
+        fused_ops.qk_norm_rope_store(positions, q, k, v, prologue.rotary.cos_sin, k_cache, v_cache,
+                                     meta.slot_mapping, *prologue.norm_args())
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
     def attend(
         self,
         q: torch.Tensor,

@@ -11,8 +11,7 @@ from numbers import Integral
 import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from minivllm.config import EngineConfig
-from minivllm.gguf_loader import gguf_tokenizer, is_gguf
+from minivllm.config import EngineConfig, is_gguf
 from minivllm.sampling_params import SamplingParams
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -27,6 +26,7 @@ def load_tokenizer(config: EngineConfig) -> PreTrainedTokenizerBase | None:
     if config.skip_tokenizer_init:
         return None
     if is_gguf(config.model):
+        from minivllm.gguf_loader import gguf_tokenizer  # the gguf package only for GGUF models
         return gguf_tokenizer(config.model)
     advice = ("A Hugging Face model directory needs its tokenizer files (tokenizer.json and "
               "tokenizer_config.json); or pass skip_tokenizer_init=True and prompts as token ids.")

@@ -46,7 +46,7 @@ _DEFAULT_QUESTIONS = ["What is the capital of France?", "Write a haiku about the
 
 
 def _default_model() -> str:
-    from minivllm.demo import demo_model_dir, smollm2_path
+    from minivllm.local_models import demo_model_dir, smollm2_path
 
     path = smollm2_path()
     if path is not None:

@@ -19,13 +19,12 @@ fill those and replay the graph of the smallest bucket that fits it, padded. Thr
 
 import logging
 import time
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.executor.input_buffers import InputBuffers
-from minivllm.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +35,14 @@ GraphShape = tuple[int, int]  # (tokens, sequence rows) of a graph's inputs
 # loads), scheduled ahead of the real ones; with 4 rows a single prompt's attention runs as
 # fast as eagerly.
 PREFILL_GRAPH_FEW_SEQS = 4
+
+
+class StepForward(Protocol):
+    """What a graph captures: the model's forward pass, input ids and positions [tokens] and the
+    step's metadata to hidden states [tokens, H] (any model registry.build_model builds)."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+                 ) -> torch.Tensor: ...
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -62,7 +69,7 @@ def graph_metadata(buffers: InputBuffers, num_seqs: int, num_tokens: int, max_se
 
 
 class StepGraphs:
-    def __init__(self, model: LlamaForCausalLM, buffers: InputBuffers, max_num_seqs: int, max_model_len: int,
+    def __init__(self, model: StepForward, buffers: InputBuffers, max_num_seqs: int, max_model_len: int,
                  max_num_batched_tokens: int) -> None:
         self.model = model
         self.buffers = buffers

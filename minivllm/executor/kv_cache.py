@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from minivllm.config import EngineConfig
-from minivllm.executor.distributed import min_across_ranks
+from minivllm.distributed import min_across_ranks
 from minivllm.layers.attention import Attention, AttentionBackend
 
 logger = logging.getLogger(__name__)

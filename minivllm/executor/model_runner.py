@@ -22,12 +22,13 @@ from minivllm.config import EngineConfig
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.sequence import Sequence
 from minivllm.executor.cuda_graphs import GraphShape, StepGraphs
-from minivllm.executor.distributed import broadcast_from_rank0, tp_rank, tp_size
+from minivllm.distributed import broadcast_from_rank0, tp_rank, tp_size
 from minivllm.executor.input_buffers import InputBuffers
 from minivllm.executor.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_kv_blocks, release_kv_cache
 from minivllm.executor.step_inputs import (CASCADE_MIN_SEQS, ModelInputs, StepInputs,
                                            prepare_step_inputs)
 from minivllm.layers.attention import AttentionBackend
+from minivllm.layers.custom_op import use_triton_kernels
 from minivllm.layers.linear import choose_small_batch_kernels
 from minivllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from minivllm.loader import init_dummy_weights, load_weights
@@ -77,9 +78,9 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
-                self.model = build_model(hf_config, config.max_model_len,
-                                         use_triton=config.kernels == "triton")
+            with torch.device(self.device), use_triton_kernels(config.kernels == "triton"):
+                self.model = build_model(hf_config, config.max_model_len)
+                self.sampler = Sampler()
         finally:
             torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
@@ -87,7 +88,6 @@ class ModelRunner:
         else:
             load_weights(self.model, config.model)
         self.vocab_size = hf_config.vocab_size
-        self.sampler = Sampler(use_triton=config.kernels == "triton")
         self.backend = self._make_attention_backend()
         logger.info("Loaded weights in %.1f s", time.perf_counter() - start)
         # The last step's sampled tokens on the device, and each sampled sequence's row there.

@@ -18,8 +18,8 @@ from multiprocessing.shared_memory import SharedMemory
 import torch
 import torch.distributed as dist
 
+from minivllm import distributed
 from minivllm.config import EngineConfig
-from minivllm.executor import distributed
 from minivllm.executor.model_runner import ModelRunner
 
 _HEADER = struct.Struct("<Q")  # byte length of the pickled message that follows it

@@ -146,7 +146,7 @@ def _rms_norm(x: torch.Tensor | SplitKPartials, residual: torch.Tensor | None, w
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension: `RMSNorm.forward(x)` of minivllm/layers/norm.py.
+    """RMSNorm over the last dimension: `RMSNorm.forward_native(x)` of minivllm/layers/norm.py.
 
     x: [N, H] or [N, heads, H] (per-head norms such as Qwen3's q/k norm), last dimension
     contiguous, other strides free; weight: [H], x's dtype. Returns a new contiguous
@@ -157,7 +157,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor | SplitKPartials, residual: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`RMSNorm.forward(x, residual)`: s = x + residual; return (rms_norm(s), s).
+    """`RMSNorm.forward_native(x, residual)`: s = x + residual; return (rms_norm(s), s).
 
     IN PLACE: s is written into `residual`, and the returned second element IS `residual`
     (no new allocation for the residual stream). x is not modified; the normed output is a

@@ -1,4 +1,5 @@
-"""Attention layer: attends over the paged KV cache through a backend (torch or Triton)."""
+"""Attention layer: stores this step's K/V in the paged cache and attends over it, through a
+backend (torch or Triton) that also applies the layer's q/k prologue (norms, RoPE)."""
 
 from typing import Protocol
 
@@ -6,34 +7,36 @@ import torch
 from torch import nn
 
 from minivllm.attention.metadata import AttentionMetadata
-from minivllm.attention.torch_backend import store_kv
+from minivllm.attention.qk_prologue import QKPrologue
 
 
 class AttentionBackend(Protocol):
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, prologue: QKPrologue, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]: the prologue applied to q and k, k and v
+        stored at meta.slot_mapping, q attended over the cache. May overwrite q."""
+        ...
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 prologue: QKPrologue) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.prologue = prologue
         # Bound by the model runner once the KV cache is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.backend: AttentionBackend | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]: stores k and v in the cache (the
-        torch way), then attends."""
-        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return self.attend(q, meta)
-
-    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention of q over the cache, this step's K/V already stored."""
+        """q [N, Hq, D], k/v [N, Hkv, D] as projected (before the prologue) -> [N, Hq, D]. May
+        overwrite q."""
         assert self.backend is not None, "KV cache not bound: ModelRunner allocates it"
-        return self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)
+        return self.backend.forward(positions, q, k, v, self.k_cache, self.v_cache, self.prologue, meta,
+                                    self.scale)

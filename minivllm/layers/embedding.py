@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.executor.distributed import all_reduce, gather_to_rank0, tp_rank, tp_size
+from minivllm.distributed import all_reduce, gather_to_rank0, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):

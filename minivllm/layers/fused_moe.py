@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.executor.distributed import all_reduce, tp_rank, tp_size
+from minivllm.distributed import all_reduce, tp_rank, tp_size
+from minivllm.layers.custom_op import CustomOp
 
 # Where a checkpoint tensor goes in the packed weights: (expert, shard). expert is None
 # when the tensor holds every expert (a leading expert dimension, as transformers' packed
@@ -19,8 +20,11 @@ from minivllm.executor.distributed import all_reduce, tp_rank, tp_size
 ExpertPart = tuple[int | None, int | None]
 
 
-class FusedMoE(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, use_triton: bool) -> None:
+class FusedMoE(CustomOp):
+    """forward(hidden [T, H], topk_weights (float32) and topk_ids [T, k]) -> [T, H], summed over
+    ranks: kernels/fused_moe.py's grouped GEMMs with Triton, a loop over the experts in torch."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         assert intermediate_size % tp_size() == 0, "moe_intermediate_size not divisible by tp size"
         self.local_intermediate = intermediate_size // tp_size()
@@ -29,7 +33,6 @@ class FusedMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local_intermediate, hidden_size),
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_intermediate), requires_grad=False)
-        self.use_triton = use_triton
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: ExpertPart) -> None:
         """Copy this rank's slice of a checkpoint tensor into param (w13 or w2), where part says."""
@@ -44,16 +47,12 @@ class FusedMoE(nn.Module):
         for index, half in halves:
             dest.narrow(-2, index * size, size).copy_(half.narrow(-2, start, size))
 
-    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """hidden [T, H], topk_weights (float32) and topk_ids [T, k] -> [T, H], summed over ranks."""
-        if self.use_triton:
-            from minivllm.kernels.fused_moe import fused_moe  # imported only where Triton is used
-            out = fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids)
-        else:
-            out = self._forward_torch(hidden, topk_weights, topk_ids)
-        return all_reduce(out)
+    def forward_triton(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+                       ) -> torch.Tensor:
+        from minivllm.kernels.fused_moe import fused_moe  # imported only where Triton is used
+        return all_reduce(fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids))
 
-    def _forward_torch(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    def forward_native(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
                        ) -> torch.Tensor:
         """The reference: one matmul pair per expert that has tokens, in expert order (as
         transformers sums them)."""
@@ -64,4 +63,4 @@ class FusedMoE(nn.Module):
             y = F.linear(F.silu(gate) * up, self.w2[expert])
             # Weights rounded to the model dtype before the product, as transformers does.
             out.index_add_(0, tokens, y * topk_weights[tokens, slots, None].to(y.dtype))
-        return out
+        return all_reduce(out)

@@ -6,14 +6,24 @@ checkpoint tensors into one weight, each into its own slice.
 """
 
 from types import ModuleType
+from typing import TYPE_CHECKING, Literal, TypeAlias, overload
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.executor.distributed import all_reduce, tp_rank, tp_size
-from minivllm.kernels import SplitKPartials
+from minivllm.distributed import all_reduce, tp_rank, tp_size
 from minivllm.layers.activation import SiluAndMul
+from minivllm.layers.custom_op import triton_kernels_enabled
+
+if TYPE_CHECKING:  # a type only: the torch path never imports the kernels (nor triton)
+    from minivllm.kernels import SplitKPartials
+
+# A linear layer's output as the next layer sees it: a tensor, or, from a RowParallelLinear built
+# with feeds_add_norm and the Triton kernels on one rank, a split-K matmul's unreduced partial
+# sums (kernels' SplitKPartials), which only the RMSNorm's residual add after it reads (adding the
+# parts up as it loads them). Code between the two passes it on without looking inside.
+LinearOutput: TypeAlias = "torch.Tensor | SplitKPartials"
 
 
 def small_batch_kernel(x: torch.Tensor, use_skinny: bool, use_batch_matmul: bool,
@@ -32,10 +42,20 @@ def small_batch_kernel(x: torch.Tensor, use_skinny: bool, use_batch_matmul: bool
     return None
 
 
+@overload
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_skinny: bool,
-           use_batch_matmul: bool, partial_sums: bool = False) -> torch.Tensor | SplitKPartials:
+           use_batch_matmul: bool, partial_sums: Literal[False] = False) -> torch.Tensor: ...
+
+
+@overload
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_skinny: bool,
+           use_batch_matmul: bool, partial_sums: bool) -> LinearOutput: ...
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_skinny: bool,
+           use_batch_matmul: bool, partial_sums: bool = False) -> LinearOutput:
     """F.linear, or the small_batch_kernel for x's batch (with partial_sums and no bias, its
-    output may be left as SplitKPartials)."""
+    output may be left as split-K partial sums)."""
     kernel = small_batch_kernel(x, use_skinny, use_batch_matmul, partial_sums)
     if kernel is None:
         return F.linear(x, weight, bias)
@@ -86,9 +106,9 @@ class GateUpParallelLinear(ColumnParallelLinear):
     batch_matmul take one launch for both and the activation (their *_silu_and_mul), bit for
     bit the same."""
 
-    def __init__(self, input_size: int, intermediate_size: int, use_triton: bool) -> None:
+    def __init__(self, input_size: int, intermediate_size: int) -> None:
         super().__init__(input_size, [intermediate_size, intermediate_size])  # no bias (LlamaMLP refuses one)
-        self.act = SiluAndMul(use_triton)
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = small_batch_kernel(x, self.use_skinny, self.use_batch_matmul)
@@ -102,15 +122,16 @@ class GateUpParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 partial_sums: bool = False) -> None:
-        """partial_sums: the layer's output goes straight into a Triton add-RMSNorm
-        (fused_ops.add_rms_norm), which can add up a split-K matmul's partial sums itself;
-        small and mid-sized batches then return skinny_matmul's or batch_matmul's SplitKPartials
-        (one rank, no bias)."""
+                 feeds_add_norm: bool = False) -> None:
+        """feeds_add_norm: the layer's output goes straight into an RMSNorm's residual add, so it
+        is a LinearOutput. Built with the Triton kernels (use_triton_kernels), on one rank and
+        without a bias, the layer then has partial_sums: its small and mid-sized batches return
+        skinny_matmul's or batch_matmul's split-K partial sums, which the fused add-RMSNorm adds
+        up itself."""
         super().__init__()
         # choose_small_batch_kernels decides both, once the weight is loaded.
         self.use_skinny = self.use_batch_matmul = False
-        self.partial_sums = partial_sums and tp_size() == 1 and not bias
+        self.partial_sums = feeds_add_norm and triton_kernels_enabled() and tp_size() == 1 and not bias
         assert input_size % tp_size() == 0, "input size not divisible by tp size"
         self.local_input_size = input_size // tp_size()
         self.weight = nn.Parameter(torch.empty(output_size, self.local_input_size), requires_grad=False)
@@ -121,10 +142,10 @@ class RowParallelLinear(nn.Module):
             loaded = loaded.narrow(1, tp_rank() * self.local_input_size, self.local_input_size)
         param.data.copy_(loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
-        y = linear(x, self.weight, None, self.use_skinny, self.use_batch_matmul, self.partial_sums)
-        if isinstance(y, SplitKPartials):  # partial_sums: one rank, no bias
-            return y
+    def forward(self, x: torch.Tensor) -> LinearOutput:
+        if self.partial_sums:  # one rank and no bias: nothing to reduce or add
+            return linear(x, self.weight, None, self.use_skinny, self.use_batch_matmul, partial_sums=True)
+        y = linear(x, self.weight, None, self.use_skinny, self.use_batch_matmul)
         # The bias is added once, after the reduction, not on every rank.
         y = all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -9,12 +9,12 @@ One step, for a batch of B rows of logits [B, V]:
 5. random rows: with min_p, top_k or top_p, divide by temperature and set the filtered-out
    tokens to -inf; then sample with the Gumbel-max trick: argmax(logits + T * Gumbel noise)
    (T = 1 once divided), the same as argmax(logits / T + noise), is a sample from
-   softmax(logits / T), with no softmax computed. With the Triton kernels (kernels="triton")
-   two kernels (minivllm/kernels/sampling.py) draw the same distribution in two levels,
-   chunks of the vocabulary then tokens of one chunk, the noise in registers; otherwise
-   the formula in torch (`gumbel_noise`). A seeded row draws its randomness
-   from its own generator, so its tokens do not depend on what else is in the batch or where
-   its row is.
+   softmax(logits / T), with no softmax computed (`GumbelMaxSample`). With the Triton kernels
+   (a Sampler built under use_triton_kernels, as for kernels="triton") two kernels
+   (minivllm/kernels/sampling.py) draw the same distribution in two levels, chunks of the
+   vocabulary then tokens of one chunk, the noise in registers; otherwise the formula in
+   torch (`gumbel_noise`). A seeded row draws its randomness from its own generator, so its
+   tokens do not depend on what else is in the batch or where its row is.
 
 Steps 2, 3 and the filters work on a float32 copy of the logits; a step that needs none of
 them reads the model's logits as they are (the caller's tensor is never modified).
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from minivllm.layers.custom_op import CustomOp
 from minivllm.sampling_params import GREEDY_EPSILON, SamplingParams
 
 # top-p normally needs a sort of the whole vocabulary. When every top-p row also has a
@@ -226,12 +227,9 @@ class SamplerOutput:
 
 
 class Sampler(torch.nn.Module):
-    def __init__(self, use_triton: bool = False) -> None:
-        """use_triton: the Gumbel-max draw in Triton's two kernels (kernels/sampling.py; for
-        CUDA logits, tests run them on CPU under Triton's interpreter), else the same formula
-        in torch."""
+    def __init__(self) -> None:
         super().__init__()
-        self.use_triton = use_triton
+        self.gumbel_max_sample = GumbelMaxSample()
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # Raw logprobs first, before anything changes the logits (vLLM's default).
@@ -284,9 +282,9 @@ class Sampler(torch.nn.Module):
         if meta.all_greedy:
             return greedy
         if meta.has_filters:  # the filters need the scaled logits: scale them in place
-            sampled = gumbel_max_sample(self.filter_logits(logits, meta), None, meta.generators, self.use_triton)
+            sampled = self.gumbel_max_sample(self.filter_logits(logits, meta), None, meta.generators)
         else:  # the noise is scaled instead, in the same pass
-            sampled = gumbel_max_sample(logits, meta.temperature, meta.generators, self.use_triton)
+            sampled = self.gumbel_max_sample(logits, meta.temperature, meta.generators)
         if meta.all_random:
             return sampled
         return torch.where(meta.greedy_mask, greedy, sampled)
@@ -348,25 +346,32 @@ def _top_k_top_p_cutoff(logits: torch.Tensor, meta: SamplingMetadata) -> torch.T
     return cutoff
 
 
-def gumbel_max_sample(logits: torch.Tensor, temperature: torch.Tensor | None,
-                      generators: dict[int, torch.Generator], use_triton: bool) -> torch.Tensor:
-    """[B] int64: per row, a sample from softmax(logits / T) (temperature None: T = 1, the
-    logits are scaled already): argmax_j(logits_j + T * G_j) with G_j ~ Gumbel(0, 1) i.i.d.
+class GumbelMaxSample(CustomOp):
+    """forward(logits [B, V], temperature [B] or None, generators) -> [B] int64: per row, a
+    sample from softmax(logits / T) (temperature None: T = 1, the logits are scaled already):
+    argmax_j(logits_j + T * G_j) with G_j ~ Gumbel(0, 1) i.i.d.
 
-    Seeded rows take their randomness from their own generator only; the other rows from
-    the device's default generator. With Triton: one Philox key per row and step (the
-    kernels derive all of the row's noise from it, in two levels). In torch: 32-bit words per token,
-    turned into noise by gumbel_noise. Either way a row's noise does not depend on the
-    batch. No host synchronisation."""
-    num_rows, vocab_size = logits.shape
-    if use_triton:
+    Seeded rows take their randomness from their own generator only (generators: row -> its
+    generator); the other rows from the device's default generator. With Triton: one Philox
+    key per row and step (kernels/sampling.py's two kernels derive all of the row's noise from
+    it, in two levels; tests run them on CPU under Triton's interpreter). In torch: 32-bit
+    words per token, turned into noise by gumbel_noise. Either way a row's noise does not
+    depend on the batch. No host synchronisation."""
+
+    def forward_triton(self, logits: torch.Tensor, temperature: torch.Tensor | None,
+                       generators: dict[int, torch.Generator]) -> torch.Tensor:
         from minivllm.kernels import sampling  # imported only where Triton is used
+        num_rows = logits.shape[0]
         seeds = _draw_per_row(num_rows, 1, _SEED_HIGH, generators, logits.device)
         return sampling.gumbel_max_sample(logits, seeds.view(num_rows), temperature)
-    noise = gumbel_noise(_draw_per_row(num_rows, vocab_size, _BITS_HIGH, generators, logits.device))
-    if temperature is not None:
-        noise.mul_(temperature.unsqueeze(1))
-    return noise.add_(logits).argmax(dim=-1)
+
+    def forward_native(self, logits: torch.Tensor, temperature: torch.Tensor | None,
+                       generators: dict[int, torch.Generator]) -> torch.Tensor:
+        num_rows, vocab_size = logits.shape
+        noise = gumbel_noise(_draw_per_row(num_rows, vocab_size, _BITS_HIGH, generators, logits.device))
+        if temperature is not None:
+            noise.mul_(temperature.unsqueeze(1))
+        return noise.add_(logits).argmax(dim=-1)
 
 
 def _draw_per_row(num_rows: int, width: int, high: int, generators: dict[int, torch.Generator],

@@ -45,14 +45,13 @@ class TopKRouter(nn.Module):
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
-    def __init__(self, config: PretrainedConfig, use_triton: bool) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu').")
         self.gate = TopKRouter(config.hidden_size, config.num_experts, config.num_experts_per_tok,
                                config.norm_topk_prob)
-        self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size,
-                                use_triton=use_triton)
+        self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.experts(hidden, *self.gate(hidden))
@@ -65,10 +64,10 @@ def _is_sparse_layer(config: PretrainedConfig, layer_idx: int) -> bool:
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    def make_mlp(self, layer_idx: int, use_triton: bool) -> nn.Module:
+    def make_mlp(self, layer_idx: int) -> nn.Module:
         if _is_sparse_layer(self.config, layer_idx):
-            return Qwen3MoeSparseMoeBlock(self.config, use_triton)
-        return super().make_mlp(layer_idx, use_triton)
+            return Qwen3MoeSparseMoeBlock(self.config)
+        return super().make_mlp(layer_idx)
 
     def checkpoint_target(self, name: str) -> tuple[str, int | ExpertPart]:
         match = _EXPERT_TENSOR.fullmatch(name)

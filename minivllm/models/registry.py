@@ -27,9 +27,10 @@ _ARCHITECTURES: dict[str, tuple[type[LlamaForCausalLM], Callable[[PretrainedConf
 SUPPORTED_ARCHITECTURES = sorted(_ARCHITECTURES)
 
 
-def build_model(config: PretrainedConfig, max_position: int, use_triton: bool = False) -> LlamaForCausalLM:
-    """An empty (uninitialised) model for config's architecture, on the default device;
-    use_triton: its small ops as Triton kernels (with the Triton attention backend)."""
+def build_model(config: PretrainedConfig, max_position: int) -> LlamaForCausalLM:
+    """An empty (uninitialised) model for config's architecture, on the default device. Its ops
+    take the Triton kernels when built under layers/custom_op.py's use_triton_kernels (then
+    with the Triton attention backend), torch's otherwise."""
     architectures = getattr(config, "architectures", None) or []
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     if window is not None and max_position > window:
@@ -38,6 +39,6 @@ def build_model(config: PretrainedConfig, max_position: int, use_triton: bool = 
     for name in architectures:
         if name in _ARCHITECTURES:
             model_class, flags = _ARCHITECTURES[name]
-            return model_class(config, flags(config), max_position, use_triton)
+            return model_class(config, flags(config), max_position)
     raise ValueError(f"Model architecture {architectures or '(none in config.json)'} is not supported. "
                      f"Supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}.")

@@ -1,4 +1,4 @@
-"""minivllm.demo: the tokenizer, tiny random checkpoints that transformers loads and that
+"""minivllm.local_models: the tokenizer, tiny random checkpoints that transformers loads and that
 generate varied text, the demo model cache, and the real-size config presets."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from benchmarks import presets
-from minivllm import demo
+from minivllm import local_models
 
 TinyModelFactory = Callable[..., str]  # the tiny_model_factory fixture (conftest.py)
 
@@ -42,10 +42,10 @@ def tensor_names(model_dir: str) -> dict[str, torch.dtype]:
 # -- tokenizer --------------------------------------------------------------------------
 
 def test_tokenizer_is_deterministic_and_complete(tokenizer: PreTrainedTokenizerFast) -> None:
-    assert tokenizer.backend_tokenizer.to_str() == demo.build_tokenizer().backend_tokenizer.to_str()
-    assert len(tokenizer) == demo.TOKENIZER_VOCAB_SIZE
+    assert tokenizer.backend_tokenizer.to_str() == local_models.build_tokenizer().backend_tokenizer.to_str()
+    assert len(tokenizer) == local_models.TOKENIZER_VOCAB_SIZE
     assert tokenizer.eos_token == tokenizer.pad_token == "<|endoftext|>"
-    assert set(tokenizer.all_special_tokens) == set(demo.SPECIAL_TOKENS)
+    assert set(tokenizer.all_special_tokens) == set(local_models.SPECIAL_TOKENS)
     text = "Hi café 日本語 🎉 “quotes”\n\tdef f(x): return x"
     ids = tokenizer.encode(text)
     assert tokenizer.decode(ids) == text
@@ -60,7 +60,7 @@ def test_tokenizer_chat_template_and_save(tokenizer: PreTrainedTokenizerFast, tm
     assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
                     "<|im_start|>assistant\n")
     assert not tokenizer.apply_chat_template(messages, tokenize=False).endswith("assistant\n")
-    demo.build_tokenizer(str(tmp_path))
+    local_models.build_tokenizer(str(tmp_path))
     loaded = AutoTokenizer.from_pretrained(str(tmp_path))
     assert loaded.encode(text) == tokenizer.encode(text)
     assert loaded.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [1, 2]
@@ -133,7 +133,7 @@ def test_weights_follow_the_seed(tiny_model_factory: TinyModelFactory, tmp_path:
             return f.get_tensor("model.embed_tokens.weight")
 
     a = embedding(tiny_model_factory("LlamaForCausalLM"))
-    assert torch.equal(a, embedding(demo.build_tiny_model(str(tmp_path), "LlamaForCausalLM")))
+    assert torch.equal(a, embedding(local_models.build_tiny_model(str(tmp_path), "LlamaForCausalLM")))
     assert not torch.equal(a, embedding(tiny_model_factory("LlamaForCausalLM", seed=1)))
 
 
@@ -151,16 +151,16 @@ def test_sharded_save_has_an_index(tiny_model_factory: TinyModelFactory) -> None
 
 def test_unknown_architecture(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
-        demo.build_tiny_model(str(tmp_path), "GPT2LMHeadModel")
+        local_models.build_tiny_model(str(tmp_path), "GPT2LMHeadModel")
 
 
 def test_demo_model_dir_is_built_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    path = demo.demo_model_dir()
+    path = local_models.demo_model_dir()
     assert path.startswith(str(tmp_path / "minivllm" / "demo-qwen3-"))
     assert AutoConfig.from_pretrained(path).architectures == ["Qwen3ForCausalLM"]
     mtime = os.path.getmtime(Path(path, "model.safetensors"))
-    assert demo.demo_model_dir() == path
+    assert local_models.demo_model_dir() == path
     assert os.path.getmtime(Path(path, "model.safetensors")) == mtime
     assert os.listdir(tmp_path / "minivllm") == [os.path.basename(path)]  # no temp dirs left
 
@@ -179,7 +179,7 @@ def test_presets_write_loadable_configs(name: str, tmp_path: Path) -> None:
     assert config.architectures == preset["architectures"]
     assert config.rope_parameters["rope_theta"] == 1e6
     assert config.dtype == torch.bfloat16
-    assert len(AutoTokenizer.from_pretrained(path)) == demo.TOKENIZER_VOCAB_SIZE
+    assert len(AutoTokenizer.from_pretrained(path)) == local_models.TOKENIZER_VOCAB_SIZE
     assert not list(tmp_path.glob("*.safetensors"))
     # The architecture is real enough for transformers to build it (on the meta device).
     with torch.device("meta"):

@@ -6,8 +6,8 @@ import tempfile
 from collections.abc import Callable
 
 
-def cached_dir(name: str, build: Callable[[str], object]) -> str:
-    """The path of the cache directory `name`, which build(directory) fills on first use.
+def kept_dir(name: str, build: Callable[[str], object]) -> str:
+    """The path of the kept directory `name`, which build(directory) fills on first use.
 
     Built in a temporary directory and renamed into place, so concurrent first uses never
     see a half-written one."""

@@ -1,7 +1,8 @@
-"""Tiny random models, a tiny tokenizer and real-size config presets, all built locally.
+"""The models at hand without a model hub: SmolLM2 where its package is installed, and
+tiny random models with a tiny tokenizer, built locally.
 
-There is no model hub here, so tests, the CLI's demo model and benchmarks get their
-models from this file:
+Tests, the CLI's demo model and benchmarks get their models from this file (benchmarks'
+real-size config presets are in benchmarks/presets.py):
 
 - `build_tokenizer`: a byte-level BPE (the GPT-2/Qwen scheme) trained on an embedded
   corpus, with Qwen's special tokens and ChatML chat template.
@@ -26,7 +27,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
-from minivllm.cache import cached_dir
+from minivllm.kept_dirs import kept_dir
 
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -281,9 +282,9 @@ DEMO_MODEL_CONFIG: dict[str, Any] = {
 
 def demo_model_dir() -> str:
     """Path of the CLI's fallback demo model (a tiny random Qwen3), built on first use and
-    cached (minivllm.cache)."""
-    return cached_dir(f"demo-qwen3-v{DEMO_MODEL_VERSION}",
-                      lambda tmp: build_tiny_model(tmp, "Qwen3ForCausalLM", **DEMO_MODEL_CONFIG))
+    kept (minivllm.kept_dirs)."""
+    return kept_dir(f"demo-qwen3-v{DEMO_MODEL_VERSION}",
+                    lambda tmp: build_tiny_model(tmp, "Qwen3ForCausalLM", **DEMO_MODEL_CONFIG))
 
 
 def smollm2_path() -> str | None:
