@@ -51,7 +51,7 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
 
 def main() -> None:
     from minivllm import LLM
-    from minivllm.demo import smollm2_path
+    from minivllm.local_models import smollm2_path
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
