@@ -120,8 +120,9 @@ def sass_loops(sass: str) -> list[collections.Counter[str]]:
 def engine_calls() -> dict[str, Callable[[], Any]]:
     """The host calls of a Qwen3-0.6B step (bf16; a bf16 and an FP8 KV cache), with PDL on, and
     of Qwen3-30B-A3B's experts."""
-    from minivllm.kernels import (SplitKPartials, batch_matmul, cascade_attention, decode_attention, fused_moe,
-                                  fused_ops, mixed_attention, pdl, sampling, skinny_matmul)
+    from minivllm.kernels import (batch_matmul, cascade_attention, decode_attention, fused_moe, fused_ops,
+                                  mixed_attention, pdl, sampling, skinny_matmul)
+    from minivllm.kernels.split_k import SplitKPartials
 
     pdl.pdl_enabled = lambda device: True  # as on a Hopper GPU
     skinny_matmul.sm_count = lambda device: 132  # an H100/H200's: split-K where the GPU would split

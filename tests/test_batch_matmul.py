@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minivllm.kernels import SplitKPartials, fused_ops
+from minivllm.kernels import fused_ops
+from minivllm.kernels.split_k import SplitKPartials
 from minivllm.kernels import batch_matmul as batch_module
 from minivllm.kernels.batch_matmul import MAX_ROWS, MIN_ROWS, PARTIAL_SUMS_MAX_ROWS, batch_matmul, batch_matmul_config
 from minivllm.layers.linear import GateUpParallelLinear, linear

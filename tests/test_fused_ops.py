@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import PretrainedConfig
 
-from minivllm.kernels import SplitKPartials, fused_ops
+from minivllm.kernels import fused_ops
+from minivllm.kernels.split_k import SplitKPartials
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.rotary import RotaryEmbedding

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minivllm.kernels import SplitKPartials
+from minivllm.kernels.split_k import SplitKPartials
 from minivllm.kernels import skinny_matmul as skinny_module
 from minivllm.kernels.skinny_matmul import MAX_ROWS, ROUTED_ROWS, skinny_matmul
 from minivllm.layers.linear import linear

@@ -146,7 +146,8 @@ def test_small_batch_linear_kernels_in_the_engine_match_hf(model_dir: str, monke
     skinny_matmul, of MIN_ROWS to MAX_ROWS batch_matmul (decode steps, and here the prompt steps
     too), bigger ones F.linear, and the tokens still match HF. K is split wherever it can be, so the
     o and down projections hand their unreduced partial sums to the add-RMSNorm after them."""
-    from minivllm.kernels import SplitKPartials, batch_matmul, skinny_matmul
+    from minivllm.kernels import batch_matmul, skinny_matmul
+    from minivllm.kernels.split_k import SplitKPartials
     from minivllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 
     rows_seen: list[int] = []
@@ -195,7 +196,8 @@ def test_partial_sums_past_64_rows_in_the_engine_match_hf(model_dir: str, monkey
     """Decode steps of 65-192 sequences: the row-parallel o and down projections take batch_matmul
     (tiles of 64 rows, K split, partial sums for the add-RMSNorm), qkv and gate_up F.linear, and
     the tokens still match HF."""
-    from minivllm.kernels import SplitKPartials, batch_matmul
+    from minivllm.kernels import batch_matmul
+    from minivllm.kernels.split_k import SplitKPartials
     from minivllm.layers.linear import RowParallelLinear
 
     wide_partials: list[int] = []

@@ -26,7 +26,7 @@ import triton
 import triton.testing
 
 from benchmarks.common import kernel_benchmark_args, shuffled_block_tables, w1_requests
-from minivllm.kernels import sm_count
+from minivllm.kernels.common import sm_count
 from minivllm.kernels.decode_attention import (DECODE_PROGRAMS_PER_SM, DecodeConfig, DecodeTiles, decode_config,
                                                decode_num_splits_for, paged_attention_decode)
 from minivllm.kernels.mixed_attention import MixedConfig, mixed_config, paged_attention_mixed

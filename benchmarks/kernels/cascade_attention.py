@@ -21,7 +21,7 @@ import triton.testing
 
 from benchmarks.common import kernel_benchmark_args
 from benchmarks.kernels.attention_kernels import BLOCK, DTYPE, HKV, HQ, PEAK_BW, D
-from minivllm.kernels import sm_count
+from minivllm.kernels.common import sm_count
 from minivllm.kernels.cascade_attention import (OwnKeysConfig, SharedPrefixConfig, launch_own_keys,
                                                 paged_attention_decode_shared_prefix, shared_prefix_config,
                                                 shared_prefix_num_splits)

@@ -23,7 +23,7 @@ import triton.testing
 
 from benchmarks.common import add_common_args, make_llm, resolve_model, shuffled_block_tables
 from benchmarks.kernels.decode_w1 import w1_decode_batches
-from minivllm.kernels import cdiv
+from minivllm.kernels.common import cdiv
 
 
 def main() -> None:

@@ -39,7 +39,7 @@ from benchmarks.common import DEFAULT_MAX_MODEL_LEN, shuffled_block_tables, w1_r
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.attention.torch_backend import TorchAttentionBackend, to_cache_dtype
 from minivllm.executor.cuda_graphs import graph_batch_sizes
-from minivllm.kernels import sm_count
+from minivllm.kernels.common import sm_count
 from minivllm.kernels.decode_attention import (DECODE_MAX_SPLITS, DECODE_PROGRAMS_PER_SM, DecodeConfig, DecodeTiles,
                                                decode_config, decode_num_splits, decode_num_splits_for,
                                                paged_attention_decode)

@@ -32,7 +32,7 @@ step_inputs.shared_prefix_blocks):
 import torch
 
 from minivllm.attention.metadata import AttentionMetadata
-from minivllm.kernels import cdiv, next_power_of_2, sm_count
+from minivllm.kernels.common import cdiv, next_power_of_2, sm_count
 from minivllm.kernels.cascade_attention import (
     paged_attention_decode_shared_prefix,
     shared_prefix_config,

@@ -27,9 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels import (SplitKPartials, agrees_with_linear, cdiv, check_matmul_operands, dot_precision,
-                              matmul_k_range, sm_count, split_k_range, store_output, weight_rows)
+from minivllm.kernels.common import (agrees_with_linear, cdiv, check_matmul_operands, dot_precision, matmul_k_range,
+                                     sm_count, split_k_range, store_output, weight_rows)
 from minivllm.kernels.pdl import pdl_enabled, pdl_options, wait_for_previous_kernel
+from minivllm.kernels.split_k import SplitKPartials
 
 # Rows this kernel serves: one tile of BLOCK_M rows (with partial sums, up to three); fewer go to
 # skinny_matmul, more to cuBLAS.

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels import next_power_of_2, split_count
 from minivllm.kernels.attention_tiles import dim_order, launch_options, load_e4m3_value_tile, value_column_order
+from minivllm.kernels.common import next_power_of_2, split_count
 from minivllm.kernels.decode_attention import (DECODE_MAX_SPLITS, DECODE_SHARED_PREFIX, DecodeTiles,
                                                check_decode_inputs, decode_workspace, launch_decode_reduce,
                                                launch_decode_split, split_launch_args)

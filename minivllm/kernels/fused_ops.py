@@ -28,8 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels import SplitKPartials, cdiv, next_power_of_2, silu_times_up
+from minivllm.kernels.common import cdiv, next_power_of_2, silu_times_up
 from minivllm.kernels.pdl import pdl_options, wait_for_previous_kernel
+from minivllm.kernels.split_k import SplitKPartials
 
 FP8_E4M3_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448
 

@@ -33,10 +33,11 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from minivllm.kernels import (SplitKPartials, agrees_with_linear, cdiv, check_matmul_operands, dot_precision,
-                              matmul_k_range, sm_count, split_count, split_k_range, store_output, weight_rows)
+from minivllm.kernels.common import (agrees_with_linear, cdiv, check_matmul_operands, dot_precision, matmul_k_range,
+                                     sm_count, split_count, split_k_range, store_output, weight_rows)
 from minivllm.kernels.fused_ops import silu_and_mul
 from minivllm.kernels.pdl import pdl_enabled, pdl_options, wait_for_previous_kernel
+from minivllm.kernels.split_k import SplitKPartials
 
 # Largest batch this kernel serves (tl.dot's smallest M is 16).
 MAX_ROWS = 16

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.executor.distributed import all_reduce, tp_rank, tp_size
-from minivllm.kernels import SplitKPartials
+from minivllm.kernels.split_k import SplitKPartials
 from minivllm.layers.activation import SiluAndMul
 
 

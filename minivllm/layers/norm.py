@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from minivllm.kernels import SplitKPartials
+from minivllm.kernels.split_k import SplitKPartials
 
 
 class RMSNorm(nn.Module):

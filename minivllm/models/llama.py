@@ -14,7 +14,7 @@ from transformers import PretrainedConfig
 
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.executor.distributed import tp_size
-from minivllm.kernels import SplitKPartials
+from minivllm.kernels.split_k import SplitKPartials
 from minivllm.layers.attention import Attention
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.linear import GateUpParallelLinear, QKVParallelLinear, RowParallelLinear

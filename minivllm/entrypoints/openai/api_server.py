@@ -330,7 +330,8 @@ def run_server(args: argparse.Namespace) -> None:
                               gpu_memory_utilization=args.gpu_memory_utilization,
                               kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                               enable_prefix_caching=args.enable_prefix_caching,
-                              tensor_parallel_size=args.tensor_parallel_size, block_size=args.block_size,
+                              tensor_parallel_size=args.tensor_parallel_size, device=args.device,
+                              block_size=args.block_size,
                               kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, load_format=args.load_format,
                               enforce_eager=args.enforce_eager)
         names = args.served_model_name or [args.model]
