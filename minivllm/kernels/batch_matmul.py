@@ -17,7 +17,7 @@ summed by fused_ops.add_rms_norm after the row-parallel o and down projections),
 skinny_matmul_partials does; callers that need the output itself get one split.
 
 batch_matmul_silu_and_mul ends the MLP's packed gate_up projection with SiLU-and-mul, as
-skinny_matmul_silu_and_mul does for smaller batches (kernels/__init__.py's weight_rows and
+skinny_matmul_silu_and_mul does for smaller batches (kernels/common.py's weight_rows and
 store_output: each tile holds its features' gate and up columns).
 """
 
