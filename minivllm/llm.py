@@ -13,6 +13,7 @@ from minivllm.entrypoints.chat_utils import Conversation, chat_prompt_token_ids
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
+
 class LLM:
     def __init__(self, model: str, **kwargs: object) -> None:
         """kwargs: EngineConfig's fields (vLLM's names): dtype, max_model_len, max_num_seqs, ..."""
@@ -30,7 +31,7 @@ class LLM:
         change, or between a benchmark's runs). Only between generate() calls: True if reset."""
         return self.llm_engine.reset_prefix_cache()
 
-    def get_tokenizer(self):  # noqa: ANN201 (a transformers tokenizer)
+    def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
     def generate(self, prompts: PromptType | SequenceABC[PromptType],

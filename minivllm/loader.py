@@ -37,7 +37,7 @@ def safetensors_tensors(model_dir: str) -> NamedTensors:
     for path in _safetensors_files(model_dir):
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 (safe_open has keys() but no __iter__)
                     yield name, f.get_tensor(name)
         except (SafetensorError, OSError) as error:
             raise ValueError(f"Could not read {path!r} ({error}): the file is missing, truncated or corrupt; "

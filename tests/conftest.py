@@ -33,9 +33,9 @@ ATTENTION_TOL = {
     torch.bfloat16: (3e-2, 3e-2),
 }
 
-from transformers import PreTrainedTokenizerFast  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402 (after TRITON_INTERPRET is set)
 
-from minivllm.demo import build_tiny_model, build_tokenizer  # noqa: E402
+from minivllm.demo import build_tiny_model, build_tokenizer  # noqa: E402 (after TRITON_INTERPRET is set)
 
 TinyModelFactory = Callable[..., str]
 

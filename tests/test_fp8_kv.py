@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm import LLM
 from minivllm.attention.torch_backend import store_kv, to_cache_dtype
 from minivllm.kernels import attention_tiles, decode_attention, fused_ops, mixed_attention
 from tests.conftest import ATTENTION_TOL, DEVICE, reference_attention, requires_cuda
@@ -194,9 +195,7 @@ def test_gpu_fp8_decode_kernel(block_size: int, num_q_heads: int, num_kv_heads: 
 
 # --- the engine with kv_cache_dtype="fp8" --------------------------------------------------
 
-def fp8_llm(model_dir: str, kernels: str = "torch", **kwargs: object) -> "LLM":
-    from minivllm import LLM
-
+def fp8_llm(model_dir: str, kernels: str = "torch", **kwargs: object) -> LLM:
     return LLM(model_dir, dtype="float32", max_model_len=128, block_size=8, kernels=kernels, **kwargs)
 
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minivllm.kernels.split_k import SplitKPartials
 from minivllm.kernels import skinny_matmul as skinny_module
 from minivllm.kernels.skinny_matmul import MAX_ROWS, ROUTED_ROWS, skinny_matmul
+from minivllm.kernels.split_k import SplitKPartials
 from minivllm.layers.linear import linear
-from tests.conftest import DEVICE, requires_cuda, gate_up_silu_and_mul_float64
+from tests.conftest import DEVICE, gate_up_silu_and_mul_float64, requires_cuda
 
 # fp32 accumulation in another order than float64; 16-bit outputs: one rounding of the result.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}

@@ -50,7 +50,7 @@ def test_cascade_for_the_decodes_of_mixed_steps(model_dir: str, cascade_calls: l
     mixed_cascades = []
     attend = TritonAttentionBackend.attend
 
-    def spy(self, q, k_cache, v_cache, meta, scale):  # noqa: ANN001, ANN202
+    def spy(self, q, k_cache, v_cache, meta, scale):
         if meta.num_shared_prefix_blocks is not None and not meta.is_decode_only:
             mixed_cascades.append(meta.max_query_len)
         return attend(self, q, k_cache, v_cache, meta, scale)
@@ -153,8 +153,8 @@ def test_small_batch_linear_kernels_in_the_engine_match_hf(model_dir: str, monke
     rows_seen: list[int] = []
     partials_seen: list[bool] = []  # per call: whether it left partial sums
 
-    def spy(real):  # noqa: ANN001, ANN202
-        def call(x, *args, **kwargs):  # noqa: ANN001, ANN202
+    def spy(real):
+        def call(x, *args, **kwargs):
             rows_seen.append(x.shape[0])
             out = real(x, *args, **kwargs)
             partials_seen.append(isinstance(out, SplitKPartials))
@@ -174,7 +174,7 @@ def test_small_batch_linear_kernels_in_the_engine_match_hf(model_dir: str, monke
             monkeypatch.setattr(batch_matmul, name, spy(getattr(batch_matmul, name)))
         real_config = batch_matmul.batch_matmul_config
 
-        def split_config(dtype, n, k, device, partial_sums, *rest):  # noqa: ANN001, ANN202
+        def split_config(dtype, n, k, device, partial_sums, *rest):
             # The tiny model's K in two splits where partial sums are wanted (else outputs must be whole).
             return {**real_config(dtype, n, k, device, partial_sums, *rest), "BLOCK_K": 16,
                     "SPLIT_K": 2 if partial_sums else 1}
@@ -203,7 +203,7 @@ def test_partial_sums_past_64_rows_in_the_engine_match_hf(model_dir: str, monkey
     wide_partials: list[int] = []
     real = batch_matmul.batch_matmul
 
-    def spy(x, *args, **kwargs):  # noqa: ANN001, ANN202
+    def spy(x, *args, **kwargs):
         out = real(x, *args, **kwargs)
         if x.shape[0] > batch_matmul.MAX_ROWS and isinstance(out, SplitKPartials):
             wide_partials.append(x.shape[0])

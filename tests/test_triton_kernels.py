@@ -377,7 +377,7 @@ def test_host_integer_helpers_match_tritons():
     """kernels.cdiv and kernels.next_power_of_2 (plain Python, for the host wrappers) give
     what triton.cdiv and triton.next_power_of_2 give, at a fraction of their call cost."""
     from minivllm.kernels.common import cdiv, next_power_of_2
-    for n in range(0, 5000):
+    for n in range(5000):
         assert next_power_of_2(n) == triton.next_power_of_2(n), n
         for d in (1, 3, 16, 128):
             assert cdiv(n, d) == triton.cdiv(n, d), (n, d)

@@ -32,12 +32,12 @@ step_inputs.shared_prefix_blocks):
 import torch
 
 from minivllm.attention.metadata import AttentionMetadata
-from minivllm.kernels.common import cdiv, next_power_of_2, sm_count
 from minivllm.kernels.cascade_attention import (
     paged_attention_decode_shared_prefix,
     shared_prefix_config,
     shared_prefix_num_splits,
 )
+from minivllm.kernels.common import cdiv, next_power_of_2, sm_count
 from minivllm.kernels.decode_attention import (
     DECODE_MAX_SPLITS,
     DECODE_PROGRAMS_PER_SM,

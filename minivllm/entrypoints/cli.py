@@ -109,7 +109,8 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="bytes for the KV cache, instead of sizing it by memory (on CPU: a quarter of free RAM)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV cache of shared prompt prefixes")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over this many GPUs")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="shard the model over this many GPUs")
     _add_device_argument(parser)
     parser.add_argument("--block-size", type=int, default=EngineConfig.block_size,
                         help="tokens per KV-cache block (the prefix cache reuses whole blocks)")

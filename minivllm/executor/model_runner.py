@@ -25,8 +25,7 @@ from minivllm.executor.cuda_graphs import GraphShape, StepGraphs
 from minivllm.executor.distributed import broadcast_from_rank0, tp_rank, tp_size
 from minivllm.executor.input_buffers import InputBuffers
 from minivllm.executor.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_kv_blocks, release_kv_cache
-from minivllm.executor.step_inputs import (CASCADE_MIN_SEQS, ModelInputs, StepInputs,
-                                           prepare_step_inputs)
+from minivllm.executor.step_inputs import CASCADE_MIN_SEQS, ModelInputs, StepInputs, prepare_step_inputs
 from minivllm.layers.attention import AttentionBackend
 from minivllm.layers.linear import choose_small_batch_kernels
 from minivllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow

@@ -27,8 +27,17 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.common import (agrees_with_linear, cdiv, check_matmul_operands, dot_precision, matmul_k_range,
-                                     sm_count, split_k_range, store_output, weight_rows)
+from minivllm.kernels.common import (
+    agrees_with_linear,
+    cdiv,
+    check_matmul_operands,
+    dot_precision,
+    matmul_k_range,
+    sm_count,
+    split_k_range,
+    store_output,
+    weight_rows,
+)
 from minivllm.kernels.pdl import pdl_enabled, pdl_options, wait_for_previous_kernel
 from minivllm.kernels.split_k import SplitKPartials
 

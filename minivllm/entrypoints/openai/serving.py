@@ -190,7 +190,7 @@ class OpenAIServing:
 
     async def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]
                                   ) -> list[tuple[str | None, list[int]]]:
-        if isinstance(prompt, str) or prompt and isinstance(prompt[0], int):
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not prompt:
             raise OpenAIError("prompt is empty: give a string, a list of strings, token ids or lists of them.",
