@@ -11,6 +11,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from minivllm.gguf_loader import gguf_tensors, is_gguf
+from minivllm.models.llama import LlamaForCausalLM
 
 NamedTensors = Iterator[tuple[str, torch.Tensor]]
 
@@ -44,13 +45,13 @@ def safetensors_tensors(model_dir: str) -> NamedTensors:
                              "download the checkpoint again.") from error
 
 
-def load_weights(model: nn.Module, path: str) -> None:
+def load_weights(model: LlamaForCausalLM, path: str) -> None:
     """Weights from a Hugging Face model directory or a .gguf file."""
     tensors = gguf_tensors(path) if is_gguf(path) else safetensors_tensors(path)
     load_named_tensors(model, tensors, path)
 
 
-def load_named_tensors(model: nn.Module, tensors: NamedTensors, source: str) -> None:
+def load_named_tensors(model: LlamaForCausalLM, tensors: NamedTensors, source: str) -> None:
     """Copy checkpoint tensors, named as in Hugging Face checkpoints, into the model (its
     checkpoint_target says which parameter, and which part of it, each one fills); every
     parameter must get one. source names the checkpoint in errors."""

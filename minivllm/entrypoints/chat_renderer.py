@@ -114,6 +114,7 @@ def _serve(connection: Connection, memory_bytes: int) -> None:
             conversation, add_generation_prompt, template_kwargs = connection.recv()
         except EOFError:  # the server closed its end
             return
+        reply: tuple[bool, list[int] | str]  # (True, token ids) or (False, the error)
         try:
             reply = (True, chat_prompt_token_ids(tokenizer, conversation, add_generation_prompt, template_kwargs))
         except Exception as error:  # noqa: BLE001 (every failure is the request's: a 400)

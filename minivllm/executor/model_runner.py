@@ -12,7 +12,7 @@ gets logits, and samples.
 import logging
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -32,6 +32,9 @@ from minivllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from minivllm.loader import init_dummy_weights, load_weights
 from minivllm.models.registry import build_model
 from minivllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # imports Triton: the torch path must not
+    from minivllm.attention.triton_backend import TritonAttentionBackend
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +139,9 @@ class ModelRunner:
             elif config.max_num_seqs >= CASCADE_MIN_SEQS:
                 # Eager decode steps may take the cascade kernels: compile them here.
                 attn = self.model.attention_layers()[0]
-                self.backend.warm_up_shared_prefix((attn.num_heads, attn.head_dim), self.dtype, attn.k_cache,
-                                                   attn.v_cache, config.max_num_seqs)
+                backend = cast("TritonAttentionBackend", self.backend)  # kernels == "triton"
+                backend.warm_up_shared_prefix((attn.num_heads, attn.head_dim), self.dtype, attn.k_cache,
+                                              attn.v_cache, config.max_num_seqs)
             if tp_rank() == 0:  # rank 0 samples, with the Triton kernels
                 from minivllm.kernels import sampling  # needs a GPU
                 sampling.warm_up(self.vocab_size, self.dtype, self.device)
@@ -256,6 +260,7 @@ class ModelRunner:
         on other ranks, or when no row samples. Every rank runs this for every step."""
         inputs = self._upload(step)
         if step.graph is not None:
+            assert self.graphs is not None  # steps get a graph shape only from self.graphs
             # The graph was captured on slices of the persistent device buffers (InputBuffers),
             # which _upload has just filled: it takes no arguments.
             hidden = self.graphs.replay(step.graph, step.graph_kind)

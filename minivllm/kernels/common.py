@@ -3,6 +3,7 @@
 import functools
 import logging
 import os
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -199,14 +200,13 @@ def patch_triton_interpreter() -> None:
     except ImportError:  # a Triton without the interpreter module: nothing to patch
         return
     original = interpreter._patch_lang_tensor
-    if getattr(original, "_minivllm_patched", False):
+    if original.__module__ == __name__:  # already patched, by a previous import of this module
         return
 
-    def patched(tensor, scope):
+    def patched(tensor: Any, scope: Any) -> None:  # Triton's interpreter types, untyped
         original(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
-    patched._minivllm_patched = True
     interpreter._patch_lang_tensor = patched
 
 

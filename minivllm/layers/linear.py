@@ -6,6 +6,7 @@ checkpoint tensors into one weight, each into its own slice.
 """
 
 from types import ModuleType
+from typing import Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,12 @@ def small_batch_kernel(x: torch.Tensor, use_skinny: bool, use_batch_matmul: bool
     return None
 
 
+@overload
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_skinny: bool,
+           use_batch_matmul: bool, partial_sums: Literal[False] = False) -> torch.Tensor: ...
+@overload
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_skinny: bool,
+           use_batch_matmul: bool, partial_sums: bool) -> torch.Tensor | SplitKPartials: ...
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_skinny: bool,
            use_batch_matmul: bool, partial_sums: bool = False) -> torch.Tensor | SplitKPartials:
     """F.linear, or the small_batch_kernel for x's batch (with partial_sums and no bias, its

@@ -26,9 +26,11 @@ class RMSNorm(nn.Module):
         which writes the sum into `residual` (and takes x as a projection's SplitKPartials)."""
         if self.use_triton:
             from minivllm.kernels import fused_ops  # imported only where Triton is used
-            if residual is None:
-                return fused_ops.rms_norm(x, self.weight, self.eps)
-            return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
+            if residual is not None:
+                return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
+            assert isinstance(x, torch.Tensor), "SplitKPartials come with a residual"
+            return fused_ops.rms_norm(x, self.weight, self.eps)
+        assert isinstance(x, torch.Tensor), "only the Triton matmuls give SplitKPartials"
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -7,6 +7,7 @@ RoPE + KV store as one kernel) over the torch reference ops.
 """
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -106,7 +107,9 @@ class LlamaDecoderLayer(nn.Module):
         """hidden: the previous layer's MLP output (or the embeddings, residual None); the
         projections' outputs may be SplitKPartials, which only the add-RMSNorms read."""
         if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
+            assert isinstance(hidden, torch.Tensor), "the embeddings"
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, meta)
@@ -164,4 +167,4 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [cast(LlamaDecoderLayer, layer).self_attn.attn for layer in self.model.layers]
