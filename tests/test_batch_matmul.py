@@ -13,7 +13,7 @@ from minivllm.kernels import fused_ops
 from minivllm.kernels.batch_matmul import MAX_ROWS, MIN_ROWS, PARTIAL_SUMS_MAX_ROWS, batch_matmul, batch_matmul_config
 from minivllm.kernels.split_k import SplitKPartials
 from minivllm.layers.linear import GateUpParallelLinear, linear
-from tests.conftest import DEVICE, gate_up_silu_and_mul_float64, requires_cuda
+from tests.conftest import DEVICE, gate_up_silu_and_mul_float64
 
 # fp32 accumulation in another order than float64; 16-bit outputs: one rounding of the result.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -205,7 +205,6 @@ def test_a_kernel_that_disagrees_is_not_chosen(monkeypatch, caplog):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("num_rows", [5, 33, 64])
 @pytest.mark.parametrize("n,k,partial_sums", [(4096, 1024, False), (1024, 2048, True), (6144, 1024, False),
                                                (1024, 3072, True)])

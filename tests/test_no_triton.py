@@ -9,6 +9,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a fresh interpreter per check
+
 # Prepended to each child's code: `import triton` (and any triton.* submodule) fails as if the
 # package were absent, and the child reports any Triton module that got loaded all the same.
 _BLOCK_TRITON = textwrap.dedent("""

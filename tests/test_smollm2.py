@@ -19,6 +19,8 @@ from minivllm.demo import smollm2_path
 from minivllm.entrypoints.cli import main
 from tests.server_utils import RemoteServer
 
+pytestmark = pytest.mark.slow  # the real SmolLM2-135M, against transformers
+
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
              "Explain in one sentence what a CPU does.", "List three fruits."]
 MAX_TOKENS = 20

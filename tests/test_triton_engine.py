@@ -10,7 +10,8 @@ import torch
 from minivllm import LLM, SamplingParams
 from tests.hf_oracle import hf_greedy
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs these paths natively (-m gpu)")
+pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs these paths natively (-m gpu)"),
+              pytest.mark.slow]  # whole engine steps in Triton's interpreter
 
 
 @pytest.fixture(scope="module")
