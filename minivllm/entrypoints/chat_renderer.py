@@ -112,7 +112,9 @@ def _serve(connection: Connection, memory_bytes: int) -> None:
     while True:
         try:
             conversation, add_generation_prompt, template_kwargs = connection.recv()
-        except EOFError:  # the server closed its end
+        # The server closed its end: a reset rather than EOF when it had not read our "ready"
+        # (it does so at the first render), as in a server that stops before any chat request.
+        except (EOFError, ConnectionResetError):
             return
         reply: tuple[bool, list[int] | str]  # (True, token ids) or (False, the error)
         try:
