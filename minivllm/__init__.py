@@ -10,7 +10,7 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
 
 # Where each name lives. Imported on first use, so that a process that needs one submodule (the
 # chat-template render process) does not load torch and the engine with the package.

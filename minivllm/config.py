@@ -52,9 +52,11 @@ def cpu_threads(reserved_cores: int = 0) -> int:
 class EngineConfig:
     model: str
     dtype: str | torch.dtype = "auto"
-    max_model_len: int | None = None
+    # Typed as resolved: None (the default) is taken, and __post_init__ replaces it (the model's
+    # max_position_embeddings; a default for the device), as in vLLM.
+    max_model_len: int = None  # type: ignore[assignment]
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
+    max_num_batched_tokens: int = None  # type: ignore[assignment]
     # KV-cache page size (vLLM's default is 16): 64-token pages give the scheduler a quarter of the
     # blocks to hash, allocate and write into block tables; prefix-cache hits are whole pages, so a
     # shared prefix's last partial page is recomputed.

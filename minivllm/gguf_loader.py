@@ -5,6 +5,7 @@ loader.load_named_tensors places them as it places safetensors."""
 import hashlib
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -72,7 +73,8 @@ def _reader(path: str) -> GGUFReader:
                          "a GGUF file; download it again.") from error
 
 
-def _field(reader: GGUFReader, key: str) -> object:
+def _field(reader: GGUFReader, key: str) -> Any:
+    """The metadata value at key (None if absent): an int, float, string or list, by the key."""
     field = reader.get_field(key)
     return None if field is None else field.contents()
 
@@ -185,5 +187,7 @@ def gguf_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         module = tensor.name.rsplit(".", 2)[-2]
         if arch == "llama" and module in ("attn_q", "attn_k"):
             weight = _unpermute(weight, num_heads if module == "attn_q" else num_kv_heads)
+        name = _hf_name(tensor.name)
+        assert name is not None, "every tensor's name was checked above"
         # A copy: the file is mapped read-only.
-        yield _hf_name(tensor.name), torch.from_numpy(np.array(weight, dtype=np.float32))
+        yield name, torch.from_numpy(np.array(weight, dtype=np.float32))

@@ -3,8 +3,10 @@
 import time
 import weakref
 from collections.abc import Sequence as SequenceABC
+from typing import Any, cast
 
 from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from minivllm.config import EngineConfig
 from minivllm.engine.input_processor import is_token_ids
@@ -13,8 +15,9 @@ from minivllm.entrypoints.chat_utils import Conversation, chat_prompt_token_ids
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
+
 class LLM:
-    def __init__(self, model: str, **kwargs: object) -> None:
+    def __init__(self, model: str, **kwargs: Any) -> None:
         """kwargs: EngineConfig's fields (vLLM's names): dtype, max_model_len, max_num_seqs, ..."""
         self.llm_engine = LLMEngine(EngineConfig(model, **kwargs))
         # As vLLM: a deleted LLM (or one alive at exit) stops its tensor-parallel workers, so a
@@ -30,7 +33,8 @@ class LLM:
         change, or between a benchmark's runs). Only between generate() calls: True if reset."""
         return self.llm_engine.reset_prefix_cache()
 
-    def get_tokenizer(self):  # noqa: ANN201 (a transformers tokenizer)
+    def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """The engine's tokenizer; None with skip_tokenizer_init."""
         return self.llm_engine.tokenizer
 
     def generate(self, prompts: PromptType | SequenceABC[PromptType],
@@ -40,7 +44,7 @@ class LLM:
         token ids (a list of ints, or a 1-D numpy array or tensor) or vLLM's {"prompt": ...} /
         {"prompt_token_ids": [...]} dict; an empty list of prompts gives an empty list."""
         if isinstance(prompts, (str, dict)) or is_token_ids(prompts):
-            prompts = [prompts]
+            prompts = [cast(PromptType, prompts)]  # one prompt
         elif not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a prompt or a list of prompts (strings, token-id lists or "
                              f"dicts), got {type(prompts).__name__}.")

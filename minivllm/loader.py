@@ -11,6 +11,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from minivllm.config import is_gguf
+from minivllm.models.llama import LlamaForCausalLM
 
 NamedTensors = Iterator[tuple[str, torch.Tensor]]
 
@@ -37,14 +38,14 @@ def safetensors_tensors(model_dir: str) -> NamedTensors:
     for path in _safetensors_files(model_dir):
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 (safe_open has keys() but no __iter__)
                     yield name, f.get_tensor(name)
         except (SafetensorError, OSError) as error:
             raise ValueError(f"Could not read {path!r} ({error}): the file is missing, truncated or corrupt; "
                              "download the checkpoint again.") from error
 
 
-def load_weights(model: nn.Module, path: str) -> None:
+def load_weights(model: LlamaForCausalLM, path: str) -> None:
     """Weights from a Hugging Face model directory or a .gguf file."""
     if is_gguf(path):
         from minivllm.gguf_loader import gguf_tensors  # the gguf package only for GGUF models
@@ -54,7 +55,7 @@ def load_weights(model: nn.Module, path: str) -> None:
     load_named_tensors(model, tensors, path)
 
 
-def load_named_tensors(model: nn.Module, tensors: NamedTensors, source: str) -> None:
+def load_named_tensors(model: LlamaForCausalLM, tensors: NamedTensors, source: str) -> None:
     """Copy checkpoint tensors, named as in Hugging Face checkpoints, into the model (its
     checkpoint_target says which parameter, and which part of it, each one fills); every
     parameter must get one. source names the checkpoint in errors."""

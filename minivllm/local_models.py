@@ -171,7 +171,7 @@ TIED_EMBED_STD = 0.03
 SPECIAL_TOKEN_LOGIT_SCALE = 0.25
 
 
-def _init_weights(model: torch.nn.Module, tied: bool, special_ids: list[int], seed: int) -> None:
+def _init_weights(model: transformers.PreTrainedModel, tied: bool, special_ids: list[int], seed: int) -> None:
     """Overwrite transformers' init with the scales above, deterministically from seed."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -232,8 +232,9 @@ def build_tiny_model(
         raise ValueError(f"Unknown architecture {architecture!r}; "
                          f"choose one of {sorted(SUPPORTED_ARCHITECTURES)}.")
     tokenizer = build_tokenizer()
-    eos_id, im_end_id = tokenizer.convert_tokens_to_ids([EOS_TOKEN, IM_END])
-    special_ids = tokenizer.convert_tokens_to_ids(SPECIAL_TOKENS)
+    vocab = tokenizer.get_vocab()
+    eos_id, im_end_id = vocab[EOS_TOKEN], vocab[IM_END]
+    special_ids = [vocab[token] for token in SPECIAL_TOKENS]
 
     kwargs: dict[str, Any] = dict(TINY_CONFIG)
     # A multiple of 64, so the vocabulary splits evenly across tensor-parallel ranks

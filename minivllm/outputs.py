@@ -3,7 +3,6 @@
 from dataclasses import dataclass, field
 
 
-
 @dataclass
 class Logprob:
     """One candidate token's log-probability at one position (as in vLLM)."""

@@ -3,6 +3,7 @@
 import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
+from typing import Any, NoReturn
 
 # Below this temperature sampling is treated as greedy, as in vLLM.
 GREEDY_EPSILON = 1e-5
@@ -38,7 +39,7 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def fail(message: str) -> None:
+        def fail(message: str) -> NoReturn:
             raise ValueError(f"SamplingParams: {message}")
 
         # Types first: a float count or a string number would misbehave further in.
@@ -99,8 +100,9 @@ class SamplingParams:
         return self.has_penalties or self.min_tokens > 0
 
 
-def _listed(value: object) -> object:
-    """None as [], a list or tuple as a list (a copy); anything else as it is, for _validate to refuse."""
+def _listed(value: object) -> Any:
+    """None as [], a list or tuple as a list (a copy); anything else as it is, for _validate to refuse
+    (so Any: what comes back is known only after _validate)."""
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else value

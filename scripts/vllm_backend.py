@@ -18,7 +18,7 @@ def main() -> None:
 
     build = vllm.LLM.__init__
 
-    def build_with_backend(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003 - LLM's own signature
+    def build_with_backend(self: vllm.LLM, *args: object, **kwargs: object) -> None:
         build(self, *args, attention_backend=backend, **kwargs)
 
     vllm.LLM.__init__ = build_with_backend

@@ -18,9 +18,9 @@ for key, value in {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFL
     os.environ.setdefault(key, value)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".vl", "tools"))
 
-from workload import w1  # noqa: E402  (.vl/tools' W1 generator)
+from workload import w1  # noqa: E402 (the W1 generator, on the sys.path set above)
 
-from benchmarks.presets import write_preset  # noqa: E402
+from benchmarks.presets import write_preset  # noqa: E402 (after the environment is set for vLLM)
 
 
 def main() -> None:

@@ -21,8 +21,6 @@ if not torch.cuda.is_available():
 # Where the kernel tests put their tensors: the CPU under the interpreter (small shapes,
 # fp32/fp16: it mishandles bf16), else the GPU.
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
-# With @pytest.mark.gpu (which the default run deselects): skipped without CUDA.
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 # Attention kernels against reference_attention, (atol, rtol) per dtype: inputs rounded to
 # the dtype, fp32 accumulation, probabilities rounded to the dtype before the P @ V matmul
@@ -33,9 +31,9 @@ ATTENTION_TOL = {
     torch.bfloat16: (3e-2, 3e-2),
 }
 
-from transformers import PreTrainedTokenizerFast  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402 (after TRITON_INTERPRET is set)
 
-from minivllm.local_models import build_tiny_model, build_tokenizer  # noqa: E402
+from minivllm.local_models import build_tiny_model, build_tokenizer  # noqa: E402 (after TRITON_INTERPRET is set)
 
 TinyModelFactory = Callable[..., str]
 
@@ -44,6 +42,17 @@ TinyModelFactory = Callable[..., str]
 # forward 250 ms instead of 4 ms). OMP_NUM_THREADS, when set, still wins.
 if "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked gpu need CUDA: without it they are skipped here (rather than deselected by
+    default options), so that -m stays free for selections such as -m "not slow"."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -27,12 +27,12 @@ from typing import Any
 
 assert os.environ.get("TRITON_INTERPRET") != "1", "run without TRITON_INTERPRET=1: it skips compilation"
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource, CompiledKernel, make_backend  # noqa: E402
-from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+import torch  # noqa: E402 (after the TRITON_INTERPRET check)
+import triton  # noqa: E402 (after the TRITON_INTERPRET check)
+from triton.backends.compiler import GPUTarget  # noqa: E402 (after the TRITON_INTERPRET check)
+from triton.compiler import ASTSource, CompiledKernel, make_backend  # noqa: E402 (after the TRITON_INTERPRET check)
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402 (after the TRITON_INTERPRET check)
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402 (after the TRITON_INTERPRET check)
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -50,7 +50,7 @@ def capture_launches(calls: dict[str, Callable[[], Any]]) -> list[Launch]:
     original = JITFunction.run
     JITFunction.run = caught
     try:
-        for label, call in calls.items():
+        for call in calls.values():
             call()
     finally:
         JITFunction.run = original
@@ -120,8 +120,18 @@ def sass_loops(sass: str) -> list[collections.Counter[str]]:
 def engine_calls() -> dict[str, Callable[[], Any]]:
     """The host calls of a Qwen3-0.6B step (bf16; a bf16 and an FP8 KV cache), with PDL on, and
     of Qwen3-30B-A3B's experts."""
-    from minivllm.kernels import (SplitKPartials, batch_matmul, cascade_attention, decode_attention, fused_moe,
-                                  fused_ops, mixed_attention, pdl, sampling, skinny_matmul)
+    from minivllm.kernels import (
+        batch_matmul,
+        cascade_attention,
+        decode_attention,
+        fused_moe,
+        fused_ops,
+        mixed_attention,
+        pdl,
+        sampling,
+        skinny_matmul,
+    )
+    from minivllm.kernels.split_k import SplitKPartials
 
     pdl.pdl_enabled = lambda device: True  # as on a Hopper GPU
     skinny_matmul.sm_count = lambda device: 132  # an H100/H200's: split-K where the GPU would split
@@ -220,8 +230,9 @@ def main() -> int:
                 print(f"      {sum(counts.values())} instructions:",
                       ", ".join(f"{op} {n}" for op, n in counts.most_common(30)))
                 for loop in sass_loops(sass):
-                    print(f"      loop of {sum(loop.values())}:", ", ".join(f"{op} {n}" for op, n in loop.most_common(12)))
-        except Exception as error:  # noqa: BLE001 - every failure is reported, then counted
+                    print(f"      loop of {sum(loop.values())}:",
+                          ", ".join(f"{op} {n}" for op, n in loop.most_common(12)))
+        except Exception as error:  # noqa: BLE001 (every failure is reported, then counted)
             failures += 1
             print(f"FAIL  {label}: {kernel.fn.__name__}: {type(error).__name__}: {str(error)[:2000]}")
     return 1 if failures else 0

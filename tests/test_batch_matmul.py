@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minivllm.kernels import SplitKPartials, fused_ops
 from minivllm.kernels import batch_matmul as batch_module
+from minivllm.kernels import fused_ops
 from minivllm.kernels.batch_matmul import MAX_ROWS, MIN_ROWS, PARTIAL_SUMS_MAX_ROWS, batch_matmul, batch_matmul_config
+from minivllm.kernels.split_k import SplitKPartials
 from minivllm.layers.linear import GateUpParallelLinear, linear
-from tests.conftest import DEVICE, requires_cuda, gate_up_silu_and_mul_float64
+from tests.conftest import DEVICE, gate_up_silu_and_mul_float64
 
 # fp32 accumulation in another order than float64; 16-bit outputs: one rounding of the result.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -100,7 +101,8 @@ def test_gate_up_layer_takes_the_fused_kernel_only_for_routed_batches(monkeypatc
         if chosen and first <= rows <= last:
             assert torch.equal(got, torch.full((rows, 8), 1234.0)), (rows, chosen)
         else:
-            torch.testing.assert_close(got.double(), gate_up_silu_and_mul_float64(x, layer.weight), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got.double(), gate_up_silu_and_mul_float64(x, layer.weight),
+                                       atol=1e-5, rtol=1e-5)
 
 
 def test_config_splits_k_evenly_to_fill_the_gpu():
@@ -182,8 +184,8 @@ def test_choosing_checks_the_silu_and_mul_epilogue(monkeypatch, caplog, kernel, 
     # For a packed [gate; up] weight the start-up choice checks the fused kernel the layer calls.
     from minivllm.kernels import skinny_matmul as skinny_module
 
-    module, choose, decisions = ((skinny_module, skinny_module.beats_cublas, "_beats_cublas") if kernel == "skinny_matmul"
-                                 else (batch_module, batch_module.chosen, "_chosen"))
+    module, choose, decisions = ((skinny_module, skinny_module.beats_cublas, "_beats_cublas")
+                                 if kernel == "skinny_matmul" else (batch_module, batch_module.chosen, "_chosen"))
     monkeypatch.setattr(module, decisions, {})
     monkeypatch.setattr(module, "pdl_enabled", lambda device: True)
     if wrong:  # the projection without the activation
@@ -203,7 +205,6 @@ def test_a_kernel_that_disagrees_is_not_chosen(monkeypatch, caplog):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("num_rows", [5, 33, 64])
 @pytest.mark.parametrize("n,k,partial_sums", [(4096, 1024, False), (1024, 2048, True), (6144, 1024, False),
                                                (1024, 3072, True)])

@@ -16,7 +16,7 @@ import triton
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.attention.triton_backend import TritonAttentionBackend
 from minivllm.kernels import cascade_attention, decode_attention
-from tests.conftest import ATTENTION_TOL, DEVICE, reference_attention, requires_cuda
+from tests.conftest import ATTENTION_TOL, DEVICE, reference_attention
 
 
 class CascadeBatch:
@@ -215,7 +215,6 @@ def test_backend_takes_cascade_path(monkeypatch):
 # GPU: W3's shapes, compiled kernels (pytest -m gpu)
 # ----------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gpu_cascade_w3(dtype):
     """256 sequences, a 2,048-token shared prefix plus 64..192 own tokens, Qwen3-0.6B heads,
@@ -231,7 +230,6 @@ def test_gpu_cascade_w3(dtype):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("gqa", [1, 2, 4, 8])
 @pytest.mark.parametrize("head_dim,block_size", [(64, 32), (128, 16), (256, 16), (128, 8)])
 def test_gpu_cascade_layouts(gqa, head_dim, block_size):

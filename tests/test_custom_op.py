@@ -144,7 +144,8 @@ def test_row_parallel_partial_sums_are_chosen_at_build() -> None:
 def test_row_parallel_partial_sums_into_the_add_norm(dtype: torch.dtype, split_k_in_two: None) -> None:
     """A projection's LinearOutput through the add-RMSNorm after it: with Triton, batch_matmul's
     partial sums (K split in two) added up by the fused kernel; in torch, F.linear and torch ops."""
-    from minivllm.kernels import SplitKPartials, batch_matmul
+    from minivllm.kernels import batch_matmul
+    from minivllm.kernels.split_k import SplitKPartials
 
     hidden, inter, rows = 32, 64, batch_matmul.MIN_ROWS + 2
 
@@ -222,12 +223,13 @@ def test_models_built_both_ways_match(tiny_model_factory: TinyModelFactory, arch
     """One prompt step and one decode step of a tiny model built with torch ops and with Triton
     ops (each with its attention backend): the same hidden states. routed: every linear layer
     takes batch_matmul, so the o and down projections hand partial sums to the add-RMSNorms."""
-    from minivllm.kernels import SplitKPartials, fused_ops
+    from minivllm.kernels import fused_ops
+    from minivllm.kernels.split_k import SplitKPartials
 
     partial_sums_normed: list[bool] = []
     add_rms_norm = fused_ops.add_rms_norm
 
-    def spy(x, *args):  # noqa: ANN001, ANN202
+    def spy(x, *args):
         partial_sums_normed.append(isinstance(x, SplitKPartials))
         return add_rms_norm(x, *args)
 

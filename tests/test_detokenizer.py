@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerFast
 
-from minivllm.local_models import IM_END, IM_START, build_tokenizer
 from minivllm.engine.detokenizer import IncrementalDetokenizer, detokenize
+from minivllm.local_models import IM_END, IM_START, build_tokenizer
 from minivllm.sampling_params import SamplingParams
 
 FFFD = "\ufffd"

@@ -372,7 +372,7 @@ def test_skip_tokenizer_init_refuses_text_prompts(model_dir: str, prompt: str | 
     is left clean and still serves token-id prompts."""
     llm = make_llm(model_dir, skip_tokenizer_init=True)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    with pytest.raises(ValueError, match="skip_tokenizer_init.*prompt_token_ids"):
+    with pytest.raises(ValueError, match=r"skip_tokenizer_init.*prompt_token_ids"):
         llm.generate([{"prompt_token_ids": [5, 6, 7]}, prompt], params, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
     assert_all_blocks_free(llm.llm_engine)

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from minivllm import LLM, SamplingParams
 from minivllm.engine.llm_engine import LLMEngine
 
+pytestmark = pytest.mark.slow  # randomised workloads (hypothesis)
+
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 96
 SEED_WITH_EVERYTHING = 33  # a workload that preempts, hits the prefix cache and aborts

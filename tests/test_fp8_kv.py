@@ -14,9 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm import LLM
 from minivllm.attention.torch_backend import store_kv, to_cache_dtype
 from minivllm.kernels import attention_tiles, decode_attention, fused_ops, mixed_attention
-from tests.conftest import ATTENTION_TOL, DEVICE, reference_attention, requires_cuda
+from tests.conftest import ATTENTION_TOL, DEVICE, reference_attention
 from tests.test_cascade_attention import CascadeBatch
 from tests.test_fused_ops import make_rope, reference_rope
 from tests.test_triton_kernels import make_batch, random_q
@@ -88,7 +89,6 @@ def test_fused_store_saturates_as_torch(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_gpu_fused_store_rounds_as_torch(dtype: torch.dtype) -> None:
     """Any values: the GPU rounds to nearest even, as torch (the interpreter does not)."""
@@ -153,7 +153,6 @@ def test_cascade_kernel_reads_fp8(dtype: torch.dtype, suffix_splits: int) -> Non
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("decode,num_seqs", [(False, 48), (True, 1), (True, 48), (True, 128)])
 def test_gpu_bf16_queries_over_fp8_cache(decode: bool, num_seqs: int) -> None:
     """Qwen3-like heads (16 q / 8 kv, D 128), contexts up to 4k, bf16 queries; decode
@@ -172,7 +171,6 @@ def test_gpu_bf16_queries_over_fp8_cache(decode: bool, num_seqs: int) -> None:
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(16, 8), (8, 8), (32, 4), (16, 1)])
 def test_gpu_fp8_decode_kernel(block_size: int, num_q_heads: int, num_kv_heads: int) -> None:
@@ -194,9 +192,7 @@ def test_gpu_fp8_decode_kernel(block_size: int, num_q_heads: int, num_kv_heads: 
 
 # --- the engine with kv_cache_dtype="fp8" --------------------------------------------------
 
-def fp8_llm(model_dir: str, kernels: str = "torch", **kwargs: object) -> "LLM":
-    from minivllm import LLM
-
+def fp8_llm(model_dir: str, kernels: str = "torch", **kwargs: object) -> LLM:
     return LLM(model_dir, dtype="float32", max_model_len=128, block_size=8, kernels=kernels, **kwargs)
 
 
@@ -260,7 +256,6 @@ def test_fp8_engine_matches_hf_over_the_same_rounded_kv(tiny_model_factory, monk
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_fp8_triton_kernels_match_torch_on_the_engine(tiny_model_factory) -> None:
     """The engine's Triton path against its torch path, both over an FP8 cache (fp32 model):
     the same greedy tokens. GPU only: the interpreter rounds into e4m3 otherwise than torch,

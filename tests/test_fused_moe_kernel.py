@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.kernels.fused_moe import fused_moe, fused_moe_config, moe_align
-from tests.conftest import DEVICE, requires_cuda
+from tests.conftest import DEVICE
 
 # (atol, rtol) against float64 on outputs of unit scale: fp32 accumulation in another order;
 # 16-bit: the intermediate, each slot's output and the sum are each rounded once.
@@ -136,7 +136,6 @@ QWEN3_30B = dict(num_experts=128, hidden_size=2048, inter=768, top_k=8)
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("num_tokens,dtype", [
     (1, torch.bfloat16), (7, torch.bfloat16), (64, torch.bfloat16), (256, torch.bfloat16),
     (2048, torch.bfloat16),
@@ -150,7 +149,6 @@ def test_qwen3_30b_shape(num_tokens, dtype):
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_cuda_graph_replay_with_new_routing():
     num_tokens = 16
     static = make_problem(num_tokens, dtype=torch.bfloat16, device="cuda", **QWEN3_30B)

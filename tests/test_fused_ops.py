@@ -12,11 +12,12 @@ import pytest
 import torch
 from transformers import PretrainedConfig
 
-from minivllm.kernels import SplitKPartials, fused_ops
+from minivllm.kernels import fused_ops
+from minivllm.kernels.split_k import SplitKPartials
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.rotary import RotaryEmbedding
-from tests.conftest import DEVICE, requires_cuda
+from tests.conftest import DEVICE
 from tests.test_skinny_matmul import ordered_sum
 
 CPU_DTYPES = [torch.float32, torch.float16]
@@ -276,7 +277,6 @@ def test_bad_inputs_are_rejected():
 # GPU: realistic shapes, bf16, CUDA graphs
 # ----------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("hidden", [1024, 4096, 5120])
 @pytest.mark.parametrize("num_tokens", [1, 257, 8192])
@@ -292,7 +292,6 @@ def test_gpu_norms_realistic(dtype, hidden, num_tokens):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8)])
@@ -303,7 +302,6 @@ def test_gpu_qk_norm_rope_store_realistic(dtype, qk_norm, hq, hkv):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("inter", [3072, 12288, 1000])
 @pytest.mark.parametrize("num_tokens", [1, 4097])
@@ -313,7 +311,6 @@ def test_gpu_silu_and_mul_realistic(dtype, inter, num_tokens):
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_cuda_graph_capture():
     """All four ops in one captured graph, replayed on new inputs, match eager calls."""
     dtype, n, hidden, inter, hq, hkv, d = torch.bfloat16, 64, 1024, 3072, 16, 8, 128

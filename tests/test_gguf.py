@@ -156,7 +156,7 @@ def test_rope_freqs_are_refused(tiny_model_factory, tmp_path) -> None:
     model_dir = tiny_model_factory("LlamaForCausalLM")
     path = write_gguf(model_dir, str(tmp_path / "llama31.gguf"),
                       extra_tensors={"rope_freqs.weight": np.ones(8, dtype=np.float32)})
-    with pytest.raises(ValueError, match="rope scaling.*rope_freqs.*Hugging Face directory"):
+    with pytest.raises(ValueError, match=r"rope scaling.*rope_freqs.*Hugging Face directory"):
         LLM(path)
 
 

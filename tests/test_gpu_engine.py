@@ -4,11 +4,10 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from tests.conftest import requires_cuda
 from tests.hf_oracle import hf_greedy
 from tests.test_generate_hf import ARCHITECTURES, mixed_prompts, run, vocab
 
-pytestmark = [pytest.mark.gpu, requires_cuda]
+pytestmark = pytest.mark.gpu
 
 
 def gpu_llm(model_dir: str, **kwargs: object) -> LLM:

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # every kernel compiled for sm_90 with ptxas
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -34,7 +34,7 @@ def tensor_names(model_dir: str) -> dict[str, torch.dtype]:
     names: dict[str, torch.dtype] = {}
     for file in Path(model_dir).glob("*.safetensors"):
         with safe_open(str(file), "pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open has keys() but no __iter__)
                 names[name] = f.get_slice(name).get_dtype()
     return names
 
@@ -106,7 +106,8 @@ def test_architecture_specific_weights(tiny_model_factory: TinyModelFactory) -> 
 def test_config_generation_config_and_overrides(tiny_model_factory: TinyModelFactory) -> None:
     model_dir = tiny_model_factory("Qwen3ForCausalLM")
     config = AutoConfig.from_pretrained(model_dir)
-    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (64, 4, 2, 16)
+    shape = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+    assert shape == (64, 4, 2, 16)
     assert config.vocab_size == 768 and config.architectures == ["Qwen3ForCausalLM"]
     gen = json.loads(Path(model_dir, "generation_config.json").read_text())
     assert gen["eos_token_id"] == [0, 2]  # <|endoftext|> and <|im_end|>, as Qwen ships it
@@ -199,5 +200,5 @@ def test_presets_are_the_public_shapes() -> None:
 
 
 def test_unknown_preset_names_the_known_ones(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="qwen3-0.6b.*qwen3-8b"):
+    with pytest.raises(ValueError, match=r"qwen3-0\.6b.*qwen3-8b"):
         presets.write_preset("llama-70b", str(tmp_path))

@@ -7,7 +7,6 @@ import torch
 from minivllm.kernels import fused_ops, pdl
 from minivllm.kernels.pdl import pdl_enabled
 from minivllm.kernels.skinny_matmul import skinny_matmul
-from tests.conftest import requires_cuda
 
 
 def test_pdl_off_on_cpu():
@@ -15,7 +14,6 @@ def test_pdl_off_on_cpu():
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_dependent_chain_graphed_equals_eager(monkeypatch: pytest.MonkeyPatch):
     """Twenty layers' worth of norm -> matmul -> activation -> matmul, each kernel reading the
     one before it (and the residual written three kernels back): any kernel that ran ahead of

@@ -22,6 +22,8 @@ from minivllm import LLM, SamplingParams
 from tests.hf_oracle import hf_greedy
 from tests.server_utils import RemoteServer, alive, descendants, openai_error
 
+pytestmark = pytest.mark.slow  # server subprocesses, each loading a model
+
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "A language model reads a prompt",
            "The dog sleeps in the sun, and"]
 MAX_MODEL_LEN = 256

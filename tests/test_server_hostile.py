@@ -22,6 +22,8 @@ import pytest
 
 from tests.server_utils import RemoteServer, alive, descendants, openai_error
 
+pytestmark = pytest.mark.slow  # server subprocesses, signals, fuzzed bodies
+
 MAX_MODEL_LEN = 256
 SERVER_ARGS = ("--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(24 << 20))
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minivllm.kernels import SplitKPartials
 from minivllm.kernels import skinny_matmul as skinny_module
 from minivllm.kernels.skinny_matmul import MAX_ROWS, ROUTED_ROWS, skinny_matmul
+from minivllm.kernels.split_k import SplitKPartials
 from minivllm.layers.linear import linear
-from tests.conftest import DEVICE, requires_cuda, gate_up_silu_and_mul_float64
+from tests.conftest import DEVICE, gate_up_silu_and_mul_float64
 
 # fp32 accumulation in another order than float64; 16-bit outputs: one rounding of the result.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -149,7 +149,6 @@ def test_linear_layers_route_only_small_batches_of_chosen_weights(monkeypatch):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072),  # Qwen3-0.6B
                                  (6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)])  # Qwen3-8B
@@ -159,7 +158,6 @@ def test_gpu_projection_shapes(dtype, n, k, num_rows):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("n,k", [(6144, 1024), (24576, 4096)])  # Qwen3-0.6B's and -8B's gate_up
 @pytest.mark.parametrize("num_rows", [1, 4, 16])
@@ -175,7 +173,6 @@ def test_gpu_silu_and_mul_gate_up_shapes(dtype, n, k, num_rows):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("n,k", [(1024, 2048), (1024, 3072)])  # Qwen3-0.6B's o and down
 @pytest.mark.parametrize("num_rows", [1, 4])
 def test_gpu_partials_into_add_rms_norm(n, k, num_rows):
@@ -219,7 +216,6 @@ def test_start_up_choice_refuses_a_kernel_that_disagrees(monkeypatch, caplog):
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_beats_cublas_times_each_shape_once(monkeypatch):
     import triton.testing
 

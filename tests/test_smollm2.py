@@ -15,9 +15,11 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 import minivllm
 from minivllm import LLM, SamplingParams
-from minivllm.local_models import smollm2_path
 from minivllm.entrypoints.cli import main
+from minivllm.local_models import smollm2_path
 from tests.server_utils import RemoteServer
+
+pytestmark = pytest.mark.slow  # the real SmolLM2-135M, against transformers
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
              "Explain in one sentence what a CPU does.", "List three fruits."]

@@ -17,6 +17,8 @@ from tests.hf_oracle import hf_greedy
 from tests.test_generate_hf import expected, make_llm, mixed_prompts, run, vocab
 from tests.test_qwen3_moe import VARIANTS
 
+pytestmark = pytest.mark.slow  # tensor-parallel worker processes
+
 MODELS = {
     "qwen3": ("Qwen3ForCausalLM", {}),
     "qwen2-qkv-bias": ("Qwen2ForCausalLM", {}),

@@ -10,7 +10,8 @@ import torch
 from minivllm import LLM, SamplingParams
 from tests.hf_oracle import hf_greedy
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs these paths natively (-m gpu)")
+pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs these paths natively (-m gpu)"),
+              pytest.mark.slow]  # whole engine steps in Triton's interpreter
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def test_cascade_for_the_decodes_of_mixed_steps(model_dir: str, cascade_calls: l
     mixed_cascades = []
     attend = TritonAttentionBackend.attend
 
-    def spy(self, q, k_cache, v_cache, meta, scale):  # noqa: ANN001, ANN202
+    def spy(self, q, k_cache, v_cache, meta, scale):
         if meta.num_shared_prefix_blocks is not None and not meta.is_decode_only:
             mixed_cascades.append(meta.max_query_len)
         return attend(self, q, k_cache, v_cache, meta, scale)
@@ -146,14 +147,15 @@ def test_small_batch_linear_kernels_in_the_engine_match_hf(model_dir: str, monke
     skinny_matmul, of MIN_ROWS to MAX_ROWS batch_matmul (decode steps, and here the prompt steps
     too), bigger ones F.linear, and the tokens still match HF. K is split wherever it can be, so the
     o and down projections hand their unreduced partial sums to the add-RMSNorm after them."""
-    from minivllm.kernels import SplitKPartials, batch_matmul, skinny_matmul
+    from minivllm.kernels import batch_matmul, skinny_matmul
+    from minivllm.kernels.split_k import SplitKPartials
     from minivllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 
     rows_seen: list[int] = []
     partials_seen: list[bool] = []  # per call: whether it left partial sums
 
-    def spy(real):  # noqa: ANN001, ANN202
-        def call(x, *args, **kwargs):  # noqa: ANN001, ANN202
+    def spy(real):
+        def call(x, *args, **kwargs):
             rows_seen.append(x.shape[0])
             out = real(x, *args, **kwargs)
             partials_seen.append(isinstance(out, SplitKPartials))
@@ -173,7 +175,7 @@ def test_small_batch_linear_kernels_in_the_engine_match_hf(model_dir: str, monke
             monkeypatch.setattr(batch_matmul, name, spy(getattr(batch_matmul, name)))
         real_config = batch_matmul.batch_matmul_config
 
-        def split_config(dtype, n, k, device, partial_sums, *rest):  # noqa: ANN001, ANN202
+        def split_config(dtype, n, k, device, partial_sums, *rest):
             # The tiny model's K in two splits where partial sums are wanted (else outputs must be whole).
             return {**real_config(dtype, n, k, device, partial_sums, *rest), "BLOCK_K": 16,
                     "SPLIT_K": 2 if partial_sums else 1}
@@ -195,13 +197,14 @@ def test_partial_sums_past_64_rows_in_the_engine_match_hf(model_dir: str, monkey
     """Decode steps of 65-192 sequences: the row-parallel o and down projections take batch_matmul
     (tiles of 64 rows, K split, partial sums for the add-RMSNorm), qkv and gate_up F.linear, and
     the tokens still match HF."""
-    from minivllm.kernels import SplitKPartials, batch_matmul
+    from minivllm.kernels import batch_matmul
+    from minivllm.kernels.split_k import SplitKPartials
     from minivllm.layers.linear import RowParallelLinear
 
     wide_partials: list[int] = []
     real = batch_matmul.batch_matmul
 
-    def spy(x, *args, **kwargs):  # noqa: ANN001, ANN202
+    def spy(x, *args, **kwargs):
         out = real(x, *args, **kwargs)
         if x.shape[0] > batch_matmul.MAX_ROWS and isinstance(out, SplitKPartials):
             wide_partials.append(x.shape[0])

@@ -15,7 +15,7 @@ import minivllm.attention.triton_backend as triton_backend
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.attention.torch_backend import store_kv
 from minivllm.kernels import decode_attention, mixed_attention
-from tests.conftest import ATTENTION_TOL, DEVICE, reference_attention, requires_cuda
+from tests.conftest import ATTENTION_TOL, DEVICE, reference_attention
 
 
 # ----------------------------------------------------------------------------------------
@@ -291,7 +291,6 @@ GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("num_seqs", [1, 64, 256])
 def test_gpu_decode_realistic(dtype, num_seqs):
@@ -308,7 +307,6 @@ def test_gpu_decode_realistic(dtype, num_seqs):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("gqa", [1, 2, 4, 8])
 def test_gpu_decode_small_batch_many_splits(dtype, gqa):
@@ -319,7 +317,6 @@ def test_gpu_decode_small_batch_many_splits(dtype, gqa):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("head_dim,block_size", [(128, 16), (64, 32), (256, 16)])
 def test_gpu_mixed_realistic(dtype, head_dim, block_size):
@@ -335,7 +332,6 @@ def test_gpu_mixed_realistic(dtype, head_dim, block_size):
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_mixed_prefill_first():
     """Prompt chunks before the decodes: everything goes through the mixed kernel."""
     gen = random.Random(7)
@@ -347,7 +343,6 @@ def test_gpu_mixed_prefill_first():
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_decode_cuda_graph():
     """Capture a decode step once, replay it with other lengths: same as eager."""
     num_seqs, hq, hkv, d, bs = 32, 16, 8, 128, 16
@@ -376,8 +371,8 @@ def test_gpu_decode_cuda_graph():
 def test_host_integer_helpers_match_tritons():
     """kernels.cdiv and kernels.next_power_of_2 (plain Python, for the host wrappers) give
     what triton.cdiv and triton.next_power_of_2 give, at a fraction of their call cost."""
-    from minivllm.kernels import cdiv, next_power_of_2
-    for n in range(0, 5000):
+    from minivllm.kernels.common import cdiv, next_power_of_2
+    for n in range(5000):
         assert next_power_of_2(n) == triton.next_power_of_2(n), n
         for d in (1, 3, 16, 128):
             assert cdiv(n, d) == triton.cdiv(n, d), (n, d)

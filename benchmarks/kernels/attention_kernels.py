@@ -19,6 +19,7 @@ pages shuffled across the cache as after a long serving run.
   prompt, and a W1 prompt step (8192 tokens of whole prompts of W1's lengths, 100-1024).
 """
 
+import functools
 import random
 
 import torch
@@ -26,9 +27,15 @@ import triton
 import triton.testing
 
 from benchmarks.common import kernel_benchmark_args, shuffled_block_tables, w1_requests
-from minivllm.kernels import sm_count
-from minivllm.kernels.decode_attention import (DECODE_PROGRAMS_PER_SM, DecodeConfig, DecodeTiles, decode_config,
-                                               decode_num_splits_for, paged_attention_decode)
+from minivllm.kernels.common import sm_count
+from minivllm.kernels.decode_attention import (
+    DECODE_PROGRAMS_PER_SM,
+    DecodeConfig,
+    DecodeTiles,
+    decode_config,
+    decode_num_splits_for,
+    paged_attention_decode,
+)
 from minivllm.kernels.mixed_attention import MixedConfig, mixed_config, paged_attention_mixed
 
 HQ, HKV, D, BLOCK = 16, 8, 128, 16
@@ -88,9 +95,8 @@ def bench_decode(name, seq_lens, sweep):
     part_lse = torch.empty(max_rows, dtype=torch.float32, device="cuda")
     for cfg, ns, tag in variants:
         out = torch.empty_like(q)
-        fn = lambda: paged_attention_decode(  # noqa: E731
-            q, k_cache, v_cache, lens, table, D ** -0.5, ns, out=out,
-            part_out=part_out, part_lse=part_lse, config=cfg)
+        fn = functools.partial(paged_attention_decode, q, k_cache, v_cache, lens, table, D ** -0.5, ns, out=out,
+                               part_out=part_out, part_lse=part_lse, config=cfg)
         fn()
         if ref is None:
             ref = out.clone()
@@ -122,7 +128,7 @@ def bench_mixed(name, prompt_lens, sweep, sdpa=False):
             variants.append(MixedConfig(block_q=bq, block_n=bn, num_warps=w, num_stages=s))
     ref = None
     for cfg in variants:
-        fn = lambda: paged_attention_mixed(q, k_cache, v_cache, qsl, lens, table, D ** -0.5, config=cfg)  # noqa: E731
+        fn = functools.partial(paged_attention_mixed, q, k_cache, v_cache, qsl, lens, table, D ** -0.5, config=cfg)
         out = fn()
         if ref is None:
             ref = out.clone()
@@ -140,8 +146,8 @@ def bench_mixed(name, prompt_lens, sweep, sdpa=False):
     k = k_cache[blocks].reshape(-1, HKV, D)[:n].repeat_interleave(HQ // HKV, 1).transpose(0, 1)[None].contiguous()
     v = v_cache[blocks].reshape(-1, HKV, D)[:n].repeat_interleave(HQ // HKV, 1).transpose(0, 1)[None].contiguous()
     qq = q.transpose(0, 1)[None].contiguous()
-    sdpa_fn = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-        qq, k, v, is_causal=True, scale=D ** -0.5)
+    sdpa_fn = functools.partial(torch.nn.functional.scaled_dot_product_attention, qq, k, v, is_causal=True,
+                                scale=D ** -0.5)
     diff = (sdpa_fn()[0].transpose(0, 1).float() - ref.float()).abs().max().item()
     t, _ = time_fn(sdpa_fn)
     print(f"   torch SDPA (contiguous K/V): {t * 1e3:7.3f} ms, {flops / t / 1e12:6.1f} TFLOP/s "

@@ -13,6 +13,7 @@ reads every sequence's whole context (the prefix 256 times); the cascade reads t
 once (its other row tiles hit L2), the suffixes once, and writes + reads its fp32 partials.
 """
 
+import functools
 import random
 
 import torch
@@ -21,13 +22,24 @@ import triton.testing
 
 from benchmarks.common import kernel_benchmark_args
 from benchmarks.kernels.attention_kernels import BLOCK, DTYPE, HKV, HQ, PEAK_BW, D
-from minivllm.kernels import sm_count
-from minivllm.kernels.cascade_attention import (OwnKeysConfig, SharedPrefixConfig, launch_own_keys,
-                                                paged_attention_decode_shared_prefix, shared_prefix_config,
-                                                shared_prefix_num_splits)
-from minivllm.kernels.decode_attention import (DECODE_PROGRAMS_PER_SM, DECODE_SHARED_PREFIX, DecodeTiles,
-                                               decode_config, decode_num_splits, launch_decode_split,
-                                               paged_attention_decode)
+from minivllm.kernels.cascade_attention import (
+    OwnKeysConfig,
+    SharedPrefixConfig,
+    launch_own_keys,
+    paged_attention_decode_shared_prefix,
+    shared_prefix_config,
+    shared_prefix_num_splits,
+)
+from minivllm.kernels.common import sm_count
+from minivllm.kernels.decode_attention import (
+    DECODE_PROGRAMS_PER_SM,
+    DECODE_SHARED_PREFIX,
+    DecodeTiles,
+    decode_config,
+    decode_num_splits,
+    launch_decode_split,
+    paged_attention_decode,
+)
 
 NUM_SEQS = 256
 PREFIX_LEN = 2048
@@ -84,8 +96,7 @@ def main() -> None:
     splits = decode_num_splits(NUM_SEQS, HKV, max(seq_lens), sms,
                                decode_config(D, DTYPE, k_cache.dtype, NUM_SEQS).programs_per_sm)
     plain_out = torch.empty_like(q)
-    plain = lambda: paged_attention_decode(
-        q, k_cache, v_cache, lens, table, scale, splits, out=plain_out)
+    plain = functools.partial(paged_attention_decode, q, k_cache, v_cache, lens, table, scale, splits, out=plain_out)
     plain()
     plain_bytes = sum(seq_lens) * token_bytes
     t = graphed_s(plain)

@@ -16,6 +16,7 @@ decode_attention.decode_num_splits_for's count: how that heuristic is tuned.
 """
 
 import argparse
+import functools
 import random
 
 import torch
@@ -23,7 +24,7 @@ import triton.testing
 
 from benchmarks.common import add_common_args, make_llm, resolve_model, shuffled_block_tables
 from benchmarks.kernels.decode_w1 import w1_decode_batches
-from minivllm.kernels import cdiv
+from minivllm.kernels.common import cdiv
 
 
 def main() -> None:
@@ -61,7 +62,7 @@ def main() -> None:
             buffers.positions[:num_seqs] = lens - 1
             buffers.input_ids[:size] = torch.randint(0, 1000, (size,), device=buffers.input_ids.device)
             buffers.slot_mapping.fill_(-1)
-            ms = triton.testing.do_bench(lambda: graphs.replay((size, size), "decode"), warmup=25, rep=100,
+            ms = triton.testing.do_bench(functools.partial(graphs.replay, (size, size), "decode"), warmup=25, rep=100,
                                          return_mode="median")
             total_ms += ms
             print(f"step {step:4d}: {num_seqs:3d} sequences (graph {size:3d}), context mean "

@@ -39,10 +39,17 @@ from benchmarks.common import DEFAULT_MAX_MODEL_LEN, shuffled_block_tables, w1_r
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.attention.torch_backend import TorchAttentionBackend, to_cache_dtype
 from minivllm.executor.cuda_graphs import graph_batch_sizes
-from minivllm.kernels import sm_count
-from minivllm.kernels.decode_attention import (DECODE_MAX_SPLITS, DECODE_PROGRAMS_PER_SM, DecodeConfig, DecodeTiles,
-                                               decode_config, decode_num_splits, decode_num_splits_for,
-                                               paged_attention_decode)
+from minivllm.kernels.common import sm_count
+from minivllm.kernels.decode_attention import (
+    DECODE_MAX_SPLITS,
+    DECODE_PROGRAMS_PER_SM,
+    DecodeConfig,
+    DecodeTiles,
+    decode_config,
+    decode_num_splits,
+    decode_num_splits_for,
+    paged_attention_decode,
+)
 
 HQ, HKV, D, BLOCK = 16, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -195,7 +202,8 @@ def run(every: int, chosen: dict[str, Variant], kv_dtype: torch.dtype) -> None:
             if error <= MAX_ERROR:
                 right.add(name)
             flag = "" if name in right else f" WRONG (max_error {error:.3g})"
-            cells.append(f"{name} {seconds * 1e6:6.1f} us {layer_bytes / seconds / 1e12:4.2f} TB/s ({num_splits}){flag}")
+            cells.append(f"{name} {seconds * 1e6:6.1f} us {layer_bytes / seconds / 1e12:4.2f} TB/s "
+                         f"({num_splits}){flag}")
         fastest = min((name for name in right if name != ADMISSION_ORDER), key=times.__getitem__, default=None)
         if fastest is None:  # every launch wrong: the total below then leaves this step out
             winners.append(f"graph {padded:3d}: none right")
@@ -203,8 +211,8 @@ def run(every: int, chosen: dict[str, Variant], kv_dtype: torch.dtype) -> None:
             best_total += times[fastest] * 28 * every
             winners.append(f"graph {padded:3d}: {fastest} ({times[fastest] * 1e6:.1f} us)")
         ideal += sum(seq_lens) * kv_bytes_per_token * every
-        print(f"step {step:4d} batch {len(seq_lens):3d} (graph {padded:3d}) ctx mean {sum(seq_lens) / len(seq_lens):5.0f} "
-              f"max {max(seq_lens):5d}: " + " | ".join(cells), flush=True)
+        print(f"step {step:4d} batch {len(seq_lens):3d} (graph {padded:3d}) "
+              f"ctx mean {sum(seq_lens) / len(seq_lens):5.0f} max {max(seq_lens):5d}: " + " | ".join(cells), flush=True)
     print(f"\nW1 decode attention, estimated from these steps (28 layers; BENCH.md's floor reads "
           f"{ideal / 1e12:.2f} TB, {ideal / 4.24e12:.2f} s at 4.24 TB/s):")
     for name, seconds in totals.items():

@@ -23,7 +23,7 @@ import triton
 from benchmarks.common import kernel_benchmark_args
 from minivllm.kernels.fused_moe import fused_moe, fused_moe_config, moe_align
 
-E, H, I, TOP_K = 128, 2048, 768, 8
+E, H, I, TOP_K = 128, 2048, 768, 8  # noqa: E741 (I: the intermediate size, in the docstring's notation)
 DTYPE = torch.bfloat16
 BATCHES = (1, 16, 64, 128, 256, 512, 1024, 4096, 8192)
 ROUTINGS, WARMUP, REPEATS = 8, 5, 30

@@ -60,7 +60,7 @@ def time_us(fn: Callable[[], object], graph: bool = True) -> tuple[float, float]
     if graph:
         try:
             replay = triton.testing.do_bench_cudagraph(fn, rep=10, return_mode="median")
-        except Exception:  # a variant that cannot be captured: say so rather than abort the table
+        except Exception:  # noqa: BLE001 (a variant that cannot be captured: NaN, rather than abort the table)
             pass
     return eager * 1e3, replay * 1e3
 
@@ -120,7 +120,8 @@ class Layer:
                 "compile": lambda: c["qk_rope_store"](*cache_args),
                 "triton": lambda: fused_ops.qk_norm_rope_store(
                     positions, q, k, v, self.rope.cos_sin, k_cache, v_cache, slots, hw, hw, EPS),
-            }, n * (2 * HQ + 4 * HKV) * D * e + n * (2 * D * 4 + 16)),  # q in+out, k/v in+out; cos/sin; positions, slots
+            # Bytes: q in+out, k/v in+out; cos/sin; positions, slots.
+            }, n * (2 * HQ + 4 * HKV) * D * e + n * (2 * D * 4 + 16)),
             "silu_and_mul": ({
                 "eager": lambda: self.act(gate_up),
                 "compile": lambda: c["silu_and_mul"](gate_up),
@@ -140,7 +141,7 @@ def table(layer: Layer, peak: float) -> None:
             t0 = time.perf_counter()
             try:
                 fns["compile"]()  # compile outside the timing
-            except Exception as exc:  # report and go on: the other variants still mean something
+            except Exception as exc:  # noqa: BLE001 (report and go on: the other variants still mean something)
                 print(f"   torch.compile failed for {op} N={n}: {type(exc).__name__}: {exc}"[:300])
                 fns["compile"] = lambda: None
             torch.cuda.synchronize()
@@ -213,7 +214,7 @@ def launch_floor() -> None:
         try:
             run()
             us = triton.testing.do_bench_cudagraph(run, rep=20, return_mode="median") * 1e3 / chain
-        except Exception as exc:  # PDL unsupported here: say so, keep the rest of the table
+        except Exception as exc:  # noqa: BLE001 (PDL unsupported here: say so, keep the rest of the table)
             print(f"launch floor with PDL={pdl}: failed ({type(exc).__name__}: {exc})"[:300])
             continue
         print(f"launch floor: a one-element Triton kernel in a CUDA graph, chain of {chain}"

@@ -52,12 +52,12 @@ def main() -> None:
     torch.set_num_threads(1)
 
     from minivllm import LLM
-    from minivllm.local_models import build_tiny_model
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.engine.scheduler import Scheduler
     from minivllm.executor.model_runner import ModelRunner
     from minivllm.layers.attention import Attention
     from minivllm.layers.sampler import Sampler
+    from minivllm.local_models import build_tiny_model
 
     Attention.attend = lambda self, q, meta: q.clone()  # the device's work, not the host's
     for owner, name, label in [(LLMEngine, "step", "step"), (Scheduler, "schedule", "schedule"),

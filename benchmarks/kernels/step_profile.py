@@ -88,7 +88,8 @@ def host_profile(run: Callable[[], None], args: argparse.Namespace) -> None:
 def gpu_profile(run: Callable[[], None], calls: int) -> str:
     """GPU kernel time per call over `run` (which makes `calls` calls) and the top kernels."""
     # (On a machine without CUDA, for smoke runs: CPU events, and 0 ms of kernels.)
-    activity = torch.profiler.ProfilerActivity.CUDA if torch.cuda.is_available() else torch.profiler.ProfilerActivity.CPU
+    activities = torch.profiler.ProfilerActivity
+    activity = activities.CUDA if torch.cuda.is_available() else activities.CPU
     with torch.profiler.profile(activities=[activity]) as prof:
         run()
     events = prof.key_averages()

@@ -36,7 +36,7 @@ class HeadNorm(Protocol):
     @property
     def eps(self) -> float: ...
 
-    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
         """x normed in torch."""
         ...
 
@@ -56,7 +56,7 @@ class QKPrologue:
         """q [N, Hq, D] and k [N, Hkv, D] normed and rotated by torch ops (new tensors)."""
         if self.norms is not None:
             q_norm, k_norm = self.norms
-            q, k = q_norm.forward_native(q), k_norm.forward_native(k)
+            q, k = q_norm.norm(q), k_norm.norm(k)
         return self.rotary(positions, q, k)
 
     def norm_args(self) -> tuple[torch.Tensor, torch.Tensor, float] | tuple[()]:

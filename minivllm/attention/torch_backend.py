@@ -112,6 +112,7 @@ class TorchAttentionBackend:
 def _plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int) -> list[_Call]:
     """The step's SDPA calls: its leading decodes together, then each prompt chunk."""
     qsl = meta.query_start_loc_cpu
+    assert qsl is not None, "the torch backend runs eagerly: steps have host copies"
     num_decodes = meta.num_leading_decodes
     spans = [(0, num_decodes)] if num_decodes else []
     spans += [(b, b + 1) for b in range(num_decodes, len(qsl) - 1) if qsl[b + 1] > qsl[b]]
@@ -120,11 +121,12 @@ def _plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int) -> list[_
 
 def _call(meta: AttentionMetadata, first: int, last: int, block_size: int, num_kv_heads: int) -> _Call:
     """The call for sequences first..last-1, which all have the same number of new tokens."""
-    qsl = meta.query_start_loc_cpu
+    qsl, seq_lens_cpu = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    assert qsl is not None and seq_lens_cpu is not None, "the torch backend runs eagerly: steps have host copies"
     device = meta.block_tables.device
     query_len = qsl[first + 1] - qsl[first]
-    context_len = max(meta.seq_lens_cpu[first:last])
-    seq_lens = torch.tensor(meta.seq_lens_cpu[first:last], device=device)[:, None]
+    context_len = max(seq_lens_cpu[first:last])
+    seq_lens = torch.tensor(seq_lens_cpu[first:last], device=device)[:, None]
     keys = torch.arange(context_len, device=device)
     # Padding keys repeat the sequence's last key: finite values that the mask hides, rather
     # than whatever the cache holds past the context (stale, or never written).

@@ -34,12 +34,13 @@ import torch
 
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.attention.qk_prologue import QKPrologue
-from minivllm.kernels import cdiv, fused_ops, next_power_of_2, sm_count
+from minivllm.kernels import fused_ops
 from minivllm.kernels.cascade_attention import (
     paged_attention_decode_shared_prefix,
     shared_prefix_config,
     shared_prefix_num_splits,
 )
+from minivllm.kernels.common import cdiv, next_power_of_2, sm_count
 from minivllm.kernels.decode_attention import (
     DECODE_MAX_SPLITS,
     DECODE_PROGRAMS_PER_SM,
@@ -85,7 +86,7 @@ class TritonAttentionBackend:
         self._num_sms = num_sms
         self._part_out: torch.Tensor | None = None  # [rows * head_dim] fp32
         self._part_lse: torch.Tensor | None = None  # [rows] fp32
-        if None not in (num_q_heads, num_kv_heads, head_dim, max_num_seqs):
+        if num_q_heads is not None and num_kv_heads is not None and head_dim is not None and max_num_seqs is not None:
             device = torch.device(device if device is not None else "cuda")
             num_sms = self._sm_count(device)
             # Over all batch sizes the split heuristic can see (max_seq_len unbounded, the
@@ -143,8 +144,9 @@ class TritonAttentionBackend:
                 max_query_len=meta.max_query_len)
         return out
 
-    def _decode(self, q, k_cache, v_cache, seq_lens, block_tables, max_seq_len, num_shared_prefix_blocks,
-                scale, out=None):
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+                block_tables: torch.Tensor, max_seq_len: int, num_shared_prefix_blocks: torch.Tensor | None,
+                scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         """Split-KV decode of these sequences; the cascade where num_shared_prefix_blocks is given."""
         if num_shared_prefix_blocks is not None:
             return self._decode_shared_prefix(q, k_cache, v_cache, seq_lens, block_tables, max_seq_len,
@@ -160,8 +162,10 @@ class TritonAttentionBackend:
             q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits,
             out=out, part_out=part_out, part_lse=part_lse, config=config)
 
-    def _decode_shared_prefix(self, q, k_cache, v_cache, seq_lens, block_tables, max_seq_len,
-                              num_shared_prefix_blocks, scale, out):
+    def _decode_shared_prefix(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              seq_lens: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int,
+                              num_shared_prefix_blocks: torch.Tensor, scale: float,
+                              out: torch.Tensor | None) -> torch.Tensor:
         """Cascade decode: the shared prefix once per tile of queries, then each sequence's
         own keys, merged. The prefix length is on the device: split counts are chosen for
         contexts up to max_seq_len (splits past the real lengths stay empty)."""
@@ -191,7 +195,7 @@ class TritonAttentionBackend:
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         gqa = num_q_heads // num_kv_heads
         device = k_cache.device
-        batch_for_tile = {}  # BLOCK_M -> a batch size that uses it
+        batch_for_tile: dict[int, int] = {}  # BLOCK_M -> a batch size that uses it
         for num_seqs in range(1, max_num_seqs + 1):
             block_m = shared_prefix_config(head_dim, dtype, k_cache.dtype, num_seqs * gqa).block_m
             batch_for_tile.setdefault(block_m, num_seqs)
@@ -214,9 +218,10 @@ class TritonAttentionBackend:
         self._part_out = torch.empty(rows * head_dim, dtype=torch.float32, device=device)
         self._part_lse = torch.empty(rows, dtype=torch.float32, device=device)
 
-    def _workspace(self, rows: int, head_dim: int, device: torch.device):
+    def _workspace(self, rows: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         ok = (
             self._part_out is not None
+            and self._part_lse is not None
             and self._part_out.device == device
             and self._part_lse.numel() >= rows
             and self._part_out.numel() >= rows * head_dim
@@ -228,4 +233,5 @@ class TritonAttentionBackend:
                     "during CUDA graph capture: construct TritonAttentionBackend with "
                     "num_q_heads, num_kv_heads, head_dim and max_num_seqs")
             self._alloc_workspace(next_power_of_2(rows), head_dim, device)
+        assert self._part_out is not None and self._part_lse is not None  # allocated above, if not before
         return self._part_out, self._part_lse

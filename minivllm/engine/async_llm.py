@@ -210,6 +210,7 @@ class AsyncLLM:
                                                                  add_special_tokens)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        assert self.tokenizer is not None, "tokenize() refuses a model without a tokenizer"
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is None:  # a slow (Python) tokenizer
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -236,15 +237,15 @@ class AsyncLLM:
         # The commands thread sends the token ids after this returns, when the caller may
         # already have changed a list it passed: send copies.
         checked = [(prompt_text, list(prompt_token_ids)) for prompt_text, prompt_token_ids in checked]
-        request_ids = [request_id or self._next_request_id() for request_id in request_ids]
+        ids = [request_id or self._next_request_id() for request_id in request_ids]
         in_use = set(self._streams)
-        for request_id in request_ids:
+        for request_id in ids:
             if request_id in in_use:
                 raise ValueError(f"Request id {request_id!r} is already in use.")
             in_use.add(request_id)
         self._loop = asyncio.get_running_loop()  # where outputs go
         streams = []
-        for request_id, (prompt_text, prompt_token_ids) in zip(request_ids, checked):
+        for request_id, (prompt_text, prompt_token_ids) in zip(ids, checked):
             stream = RequestStream(self, request_id, prompt_text, prompt_token_ids, arrival_time)
             self._streams[request_id] = stream
             self.metrics.on_request_added(request_id, arrival_time, len(prompt_token_ids))
@@ -423,6 +424,7 @@ def _engine_core(config: EngineConfig, commands: Connection, results: Connection
 def to_wire(output: RequestOutput) -> WireOutput:
     """The output as the core sends it (see WireOutput)."""
     metrics = output.metrics
+    assert metrics is not None, "the engine's outputs carry metrics"
     return (output.request_id,
             [(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason)
              for c in output.outputs],

@@ -9,6 +9,7 @@ stored token ids, so a hash collision can never produce wrong output.
 
 from array import array
 from collections import OrderedDict
+from typing import cast
 
 import xxhash
 
@@ -109,12 +110,11 @@ class KVCacheManager:
             return []
         # The last token must be computed to produce logits, so it never comes from the cache.
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        hits = list(map(self.cached_blocks.get, self._full_block_hashes(seq, max_blocks)))  # None: not cached
-        if None in hits:
-            hits = hits[:hits.index(None)]
+        found = list(map(self.cached_blocks.get, self._full_block_hashes(seq, max_blocks)))  # None: not cached
+        hits = cast("list[int]", found[:found.index(None)] if None in found else found)
         # The hits' stored tokens must be seq's (so that a hash collision cannot give wrong
         # output): checked all at once, block by block only to find where they differ.
-        stored = self.block_token_ids
+        stored = cast("list[list[int]]", self.block_token_ids)  # a cached block's entry is never None
         hit_tokens: list[int] = []
         for block_id in hits:  # list extends: faster than itertools.chain over short lists
             hit_tokens += stored[block_id]

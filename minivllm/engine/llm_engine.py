@@ -4,6 +4,7 @@ import gc
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
@@ -130,7 +131,7 @@ class LLMEngine:
     def build_request(self, request_id: str, prompt_text: str | None, prompt_token_ids: list[int],
                       params: SamplingParams, stream: bool = False, arrival_time: float | None = None) -> Request:
         """A request from a prompt an InputProcessor already checked."""
-        params.all_stop_token_ids = set(params.stop_token_ids) | (
+        params.all_stop_token_ids = set(params.stop_token_ids or ()) | (
             set() if params.ignore_eos else self.eos_token_ids)
         seqs, detokenizers = [], []
         for index in range(params.n):
@@ -141,9 +142,9 @@ class LLMEngine:
             seqs.append(Sequence(request_id, index, prompt_token_ids, params, generator))
             # Text is needed step by step only to stream it or to find stop strings; other
             # requests are detokenized once, at the end (off the per-step path).
-            incremental = self.tokenizer is not None and (stream or bool(params.stop))
+            incremental = stream or bool(params.stop)
             detokenizers.append(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
-                                if incremental else None)
+                                if self.tokenizer is not None and incremental else None)
         return Request(request_id, prompt_text, prompt_token_ids, params, seqs, detokenizers,
                        RequestMetrics(arrival_time or time.time()), stream, [0] * params.n)
 
@@ -268,10 +269,11 @@ class LLMEngine:
         params = seq.params
         num_known = len(seq.token_ids)
         num_outputs = num_known - seq.num_prompt_tokens
-        finish_reason, stop_reason = None, None
+        finish_reason: str | None = None
+        stop_reason: int | str | None = None
         if token in params.all_stop_token_ids and num_outputs >= params.min_tokens:
             finish_reason = "stop"
-            stop_reason = token if token in params.stop_token_ids else None  # None: EOS
+            stop_reason = token if token in (params.stop_token_ids or ()) else None  # None: EOS
         elif seq.length_limit_reached(self.config.max_model_len, num_known):
             finish_reason = "length"
         detokenizer = request.detokenizers[seq.index]
@@ -315,7 +317,7 @@ class LLMEngine:
         The prompt is the request's list (a sequence's prompt_token_ids would copy it)."""
         if self.tokenizer is None:
             return {seq.seq_id: "" for _, seq in finished}
-        texts = {}
+        texts: dict[int, str] = {}
         for skip in {seq.params.skip_special_tokens for _, seq in finished}:
             group = [(request, seq) for request, seq in finished if seq.params.skip_special_tokens == skip]
             decoded = detokenize(self.tokenizer, [(request.prompt_token_ids, self._text_token_ids(seq))
@@ -333,5 +335,6 @@ class LLMEngine:
         return seq.output_token_ids
 
     def _decode_token(self, token: int) -> str | None:
-        return self.tokenizer.decode([token]) if self.tokenizer is not None else None
+        # cast: decode() is typed for batches too; one sequence's ids give one string.
+        return cast(str, self.tokenizer.decode([token])) if self.tokenizer is not None else None
 

@@ -62,8 +62,8 @@ class ScheduledBatch:
         num_decodes = self.num_leading_decodes
         order = sorted(range(num_decodes), key=self.num_computed_tokens.__getitem__, reverse=True)
         order += range(num_decodes, len(self))
-        return ScheduledBatch(*([column[i] for i in order] for column in
-                                (self.seqs, self.num_new_tokens, self.num_computed_tokens, self.samples)),
+        return ScheduledBatch([self.seqs[i] for i in order], [self.num_new_tokens[i] for i in order],
+                              [self.num_computed_tokens[i] for i in order], [self.samples[i] for i in order],
                               num_admitted=self.num_admitted)
 
 

@@ -112,8 +112,11 @@ def _serve(connection: Connection, memory_bytes: int) -> None:
     while True:
         try:
             conversation, add_generation_prompt, template_kwargs = connection.recv()
-        except EOFError:  # the server closed its end
+        # The server closed its end: a reset rather than EOF when it had not read our "ready"
+        # (it does so at the first render), as in a server that stops before any chat request.
+        except (EOFError, ConnectionResetError):
             return
+        reply: tuple[bool, list[int] | str]  # (True, token ids) or (False, the error)
         try:
             reply = (True, chat_prompt_token_ids(tokenizer, conversation, add_generation_prompt, template_kwargs))
         except Exception as error:  # noqa: BLE001 (every failure is the request's: a 400)

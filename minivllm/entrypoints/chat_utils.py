@@ -13,6 +13,7 @@ def chat_prompt_token_ids(tokenizer: PreTrainedTokenizerBase | None, conversatio
     """Render the conversation with the model's chat template and tokenize it. The template
     writes any special tokens itself, so none are added on top (no double BOS)."""
     text = render_chat_prompt(tokenizer, conversation, add_generation_prompt, chat_template_kwargs)
+    assert tokenizer is not None, "render_chat_prompt refuses a model without a tokenizer"
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -25,8 +26,10 @@ def render_chat_prompt(tokenizer: PreTrainedTokenizerBase | None, conversation: 
     if tokenizer is None or not template:
         raise ValueError("This model's tokenizer has no chat template: send a plain prompt instead.")
     try:
-        return tokenizer.apply_chat_template(conversation, tokenize=False,
+        text = tokenizer.apply_chat_template(conversation, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
                                              **chat_template_kwargs)
     except Exception as error:  # jinja2 errors: a message shape this template does not take
         raise ValueError(f"The chat template could not render these messages: {error}") from error
+    assert isinstance(text, str), "tokenize=False renders text"
+    return text

@@ -38,7 +38,14 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length (default: the model's max_position_embeddings)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="shard the model over this many GPUs")
+    _add_device_argument(parser)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+
+
+def _add_device_argument(parser: argparse.ArgumentParser) -> None:
+    # cpu runs the torch kernels, which need no Triton: a GPU machine can still try a model on CPU.
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="auto: cuda when available, else cpu (with torch kernels, no Triton needed)")
 
 
 # Without --prompt: questions for an instruct model (the default one is), through its chat template.
@@ -68,7 +75,7 @@ def _generate(args: argparse.Namespace) -> None:
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
                             ignore_eos=args.ignore_eos)
     llm = LLM(model, dtype=args.dtype, max_model_len=args.max_model_len,
-              tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager)
+              tensor_parallel_size=args.tensor_parallel_size, device=args.device, enforce_eager=args.enforce_eager)
     if chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
@@ -102,7 +109,9 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="bytes for the KV cache, instead of sizing it by memory (on CPU: a quarter of free RAM)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV cache of shared prompt prefixes")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over this many GPUs")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="shard the model over this many GPUs")
+    _add_device_argument(parser)
     parser.add_argument("--block-size", type=int, default=EngineConfig.block_size,
                         help="tokens per KV-cache block (the prefix cache reuses whole blocks)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],

@@ -108,8 +108,9 @@ class StepGraphs:
             tensor.zero_()
         dev.slot_mapping.fill_(-1)
         pool = None
-        keys = ([((tokens, rows), "prefill") for tokens in self.prefill_sizes for rows in self.prefill_rows]
-                + [((size, size), kind) for kind in ("decode", "cascade") for size in self.decode_sizes])
+        keys: list[tuple[tuple[int, int], GraphKind]] = (
+            [((tokens, rows), "prefill") for tokens in self.prefill_sizes for rows in self.prefill_rows]
+            + [((size, size), kind) for kind in ("decode", "cascade") for size in self.decode_sizes])
         # Largest first, so that smaller graphs reuse its memory.
         for (tokens, rows), kind in sorted(keys, key=lambda key: (-key[0][0], -key[0][1])):
             meta = graph_metadata(self.buffers, rows, tokens, self.max_model_len, kind)

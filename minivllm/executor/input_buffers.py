@@ -146,7 +146,8 @@ class InputBuffers:
         # On CPU the host array is the model's input: nothing to copy.
         self._device_bytes = torch.zeros(size, dtype=torch.uint8, device=device) if self.on_gpu else None
         self.device: StepFields[torch.Tensor] = (
-            _views(self._device_bytes, specs, self._offsets) if self.on_gpu else self._host_sets[0])
+            _views(self._device_bytes, specs, self._offsets) if self._device_bytes is not None
+            else self._host_sets[0])
 
     def next_host(self) -> HostSet:
         """Switch to the other host set (once its last copies are done)."""
@@ -166,7 +167,7 @@ class InputBuffers:
             if len(array):
                 end = max(end, getattr(self._offsets, name) + dst.numel() * dst.element_size())
             slices[name] = dst
-        if self.on_gpu:
+        if self._device_bytes is not None:  # on a GPU
             if end:
                 self._device_bytes[:end].copy_(self._host_bytes[self._current][:end], non_blocking=True)
             event = torch.cuda.Event()

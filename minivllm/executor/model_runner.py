@@ -12,21 +12,20 @@ gets logits, and samples.
 import logging
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.attention.torch_backend import TorchAttentionBackend
 from minivllm.config import EngineConfig
+from minivllm.distributed import broadcast_from_rank0, tp_rank, tp_size
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.sequence import Sequence
 from minivllm.executor.cuda_graphs import GraphShape, StepGraphs
-from minivllm.distributed import broadcast_from_rank0, tp_rank, tp_size
 from minivllm.executor.input_buffers import InputBuffers
 from minivllm.executor.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_kv_blocks, release_kv_cache
-from minivllm.executor.step_inputs import (CASCADE_MIN_SEQS, ModelInputs, StepInputs,
-                                           prepare_step_inputs)
+from minivllm.executor.step_inputs import CASCADE_MIN_SEQS, ModelInputs, StepInputs, prepare_step_inputs
 from minivllm.layers.attention import AttentionBackend
 from minivllm.layers.custom_op import use_triton_kernels
 from minivllm.layers.linear import choose_small_batch_kernels
@@ -34,6 +33,9 @@ from minivllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from minivllm.loader import init_dummy_weights, load_weights
 from minivllm.models.registry import build_model
 from minivllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # imports Triton: the torch path must not
+    from minivllm.attention.triton_backend import TritonAttentionBackend
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +139,9 @@ class ModelRunner:
             elif config.max_num_seqs >= CASCADE_MIN_SEQS:
                 # Eager decode steps may take the cascade kernels: compile them here.
                 attn = self.model.attention_layers()[0]
-                self.backend.warm_up_shared_prefix((attn.num_heads, attn.head_dim), self.dtype, attn.k_cache,
-                                                   attn.v_cache, config.max_num_seqs)
+                backend = cast("TritonAttentionBackend", self.backend)  # kernels == "triton"
+                backend.warm_up_shared_prefix((attn.num_heads, attn.head_dim), self.dtype, attn.k_cache,
+                                              attn.v_cache, config.max_num_seqs)
             if tp_rank() == 0:  # rank 0 samples, with the Triton kernels
                 from minivllm.kernels import sampling  # needs a GPU
                 sampling.warm_up(self.vocab_size, self.dtype, self.device)
@@ -257,6 +260,7 @@ class ModelRunner:
         on other ranks, or when no row samples. Every rank runs this for every step."""
         inputs = self._upload(step)
         if step.graph is not None:
+            assert self.graphs is not None  # steps get a graph shape only from self.graphs
             # The graph was captured on slices of the persistent device buffers (InputBuffers),
             # which _upload has just filled: it takes no arguments.
             hidden = self.graphs.replay(step.graph, step.graph_kind)

@@ -14,6 +14,7 @@ import pickle
 import struct
 from multiprocessing.process import BaseProcess
 from multiprocessing.shared_memory import SharedMemory
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,20 +57,25 @@ class _Channel:
                 if timeout is not None and waited >= timeout:
                     raise TimeoutError(f"Tensor-parallel worker {worker.name} did not take the next message.")
             event.clear()
-        _HEADER.pack_into(self.shm.buf, 0, len(data))
-        self.shm.buf[_HEADER.size:_HEADER.size + len(data)] = data
+        buf = self.shm.buf
+        assert buf is not None, "the channel is closed"
+        _HEADER.pack_into(buf, 0, len(data))
+        buf[_HEADER.size:_HEADER.size + len(data)] = data
         for event in self.posted:
             event.set()
 
-    def receive(self, index: int) -> object | None:
-        """Worker `index`'s next message; None once rank 0 has died."""
+    def receive(self, index: int) -> tuple[str, tuple[Any, ...]] | None:
+        """Worker `index`'s next message, (ModelRunner method, its arguments); None once rank 0
+        has died."""
         parent = mp.parent_process()
         while not self.posted[index].wait(_POLL_S):
             if parent is not None and not parent.is_alive():
                 return None
         self.posted[index].clear()
-        (length,) = _HEADER.unpack_from(self.shm.buf, 0)
-        message = pickle.loads(self.shm.buf[_HEADER.size:_HEADER.size + length])  # a copy
+        buf = self.shm.buf
+        assert buf is not None, "the channel is closed"
+        (length,) = _HEADER.unpack_from(buf, 0)
+        message = pickle.loads(buf[_HEADER.size:_HEADER.size + length])  # a copy
         self.read[index].set()
         return message
 

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels import E4M3_WORD_TO_FP16_PTX, INTERPRETED, dot_precision
+from minivllm.kernels.common import E4M3_WORD_TO_FP16_PTX, INTERPRETED, dot_precision
 from minivllm.kernels.pdl import pdl_options
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2 (exp2 is the native instruction)

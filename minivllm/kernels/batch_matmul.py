@@ -17,7 +17,7 @@ summed by fused_ops.add_rms_norm after the row-parallel o and down projections),
 skinny_matmul_partials does; callers that need the output itself get one split.
 
 batch_matmul_silu_and_mul ends the MLP's packed gate_up projection with SiLU-and-mul, as
-skinny_matmul_silu_and_mul does for smaller batches (kernels/__init__.py's weight_rows and
+skinny_matmul_silu_and_mul does for smaller batches (kernels/common.py's weight_rows and
 store_output: each tile holds its features' gate and up columns).
 """
 
@@ -27,9 +27,19 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels import (SplitKPartials, agrees_with_linear, cdiv, check_matmul_operands, dot_precision,
-                              matmul_k_range, sm_count, split_k_range, store_output, weight_rows)
+from minivllm.kernels.common import (
+    agrees_with_linear,
+    cdiv,
+    check_matmul_operands,
+    dot_precision,
+    matmul_k_range,
+    sm_count,
+    split_k_range,
+    store_output,
+    weight_rows,
+)
 from minivllm.kernels.pdl import pdl_enabled, pdl_options, wait_for_previous_kernel
+from minivllm.kernels.split_k import SplitKPartials
 
 # Rows this kernel serves: one tile of BLOCK_M rows (with partial sums, up to three); fewer go to
 # skinny_matmul, more to cuBLAS.

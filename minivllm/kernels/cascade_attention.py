@@ -19,11 +19,18 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels import next_power_of_2, split_count
 from minivllm.kernels.attention_tiles import dim_order, launch_options, load_e4m3_value_tile, value_column_order
-from minivllm.kernels.decode_attention import (DECODE_MAX_SPLITS, DECODE_SHARED_PREFIX, DecodeTiles,
-                                               check_decode_inputs, decode_workspace, launch_decode_reduce,
-                                               launch_decode_split, split_launch_args)
+from minivllm.kernels.common import next_power_of_2, split_count
+from minivllm.kernels.decode_attention import (
+    DECODE_MAX_SPLITS,
+    DECODE_SHARED_PREFIX,
+    DecodeTiles,
+    check_decode_inputs,
+    decode_workspace,
+    launch_decode_reduce,
+    launch_decode_split,
+    split_launch_args,
+)
 from minivllm.kernels.mixed_attention import mixed_config
 from minivllm.kernels.pdl import wait_for_previous_kernel
 
@@ -39,7 +46,7 @@ def _merge_parts(out, lse, part_out_ptr, part_lse_ptr, first_part, num_stored, r
     m = tl.maximum(lse, -1.0e30)
     den = tl.exp2(lse - m)
     acc = out * den[:, None]
-    for p in range(0, num_stored):
+    for p in range(num_stored):
         part_lse = tl.load(part_lse_ptr + first_part + p, mask=row_valid, other=float("-inf"))
         part_out = tl.load(part_out_ptr + (first_part + p)[:, None] * HEAD_DIM + offs_d[None, :],
                            mask=row_valid[:, None], other=0.0)

@@ -27,8 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels import INTERPRET, cdiv, fp8_decode, next_power_of_2, split_count
+from minivllm.kernels import fp8_decode
 from minivllm.kernels.attention_tiles import LOG2E, attend_kv_tiles, check_attention_inputs, launch_options
+from minivllm.kernels.common import INTERPRET, cdiv, next_power_of_2, split_count
 from minivllm.kernels.pdl import pdl_options, wait_for_previous_kernel
 
 # _decode_split_kernel's MODE.

@@ -25,7 +25,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from minivllm.kernels import E4M3_WORD_TO_FP16_PTX, next_power_of_2
+from minivllm.kernels.common import E4M3_WORD_TO_FP16_PTX, next_power_of_2
 from minivllm.kernels.pdl import pdl_options
 
 BLOCK_N = gl.constexpr(32)  # keys a tile

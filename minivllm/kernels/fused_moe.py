@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels import cdiv, dot_precision, next_power_of_2
+from minivllm.kernels.common import cdiv, dot_precision, next_power_of_2
 
 # Tiles by batch size: the first entry whose bound is >= T (the number of tokens), for
 # Qwen3-30B-A3B on an H200 (E=128, H=2048, I=768, k=8, bf16); `python -m

@@ -28,8 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels import SplitKPartials, cdiv, next_power_of_2, silu_times_up
+from minivllm.kernels.common import cdiv, next_power_of_2, silu_times_up
 from minivllm.kernels.pdl import pdl_options, wait_for_previous_kernel
+from minivllm.kernels.split_k import SplitKPartials
 
 FP8_E4M3_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
@@ -112,6 +113,7 @@ def _as_3d(t: torch.Tensor, name: str) -> tuple[int, int, int, int]:
 def _rms_norm(x: torch.Tensor | SplitKPartials, residual: torch.Tensor | None, weight: torch.Tensor,
               eps: float) -> torch.Tensor:
     num_parts = stride_xp = 0
+    shape: tuple[int, ...]
     if isinstance(x, SplitKPartials):
         num_parts, stride_xp = x.parts.shape[0], x.parts.stride(0)
         dtype, shape = x.dtype, (x.num_rows, x.parts.shape[2])
@@ -386,7 +388,7 @@ def qk_norm_rope_store(
         f"cache {tuple(k_cache.shape)} does not match the key heads/dim {(num_kv_heads, head_dim)}")
     qk_norm = q_norm_weight is not None
     assert qk_norm == (k_norm_weight is not None), "pass both q and k norm weights, or neither"
-    if qk_norm:
+    if q_norm_weight is not None and k_norm_weight is not None:  # qk_norm
         for w in (q_norm_weight, k_norm_weight):
             assert w.shape == (head_dim,) and w.is_contiguous() and w.dtype == q.dtype, (
                 f"norm weights must be contiguous [{head_dim}] tensors of q's dtype")

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels import next_power_of_2
 from minivllm.kernels.attention_tiles import LOG2E, attend_kv_tiles, check_attention_inputs, launch_options
+from minivllm.kernels.common import next_power_of_2
 from minivllm.kernels.pdl import wait_for_previous_kernel
 
 

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from minivllm.kernels import INTERPRET
+from minivllm.kernels.common import INTERPRET
 
 
 @triton.jit

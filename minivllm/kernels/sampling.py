@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from minivllm.kernels import INTERPRETED, cdiv, next_power_of_2
+from minivllm.kernels.common import INTERPRETED, cdiv, next_power_of_2
 
 # Tokens per chunk (a power of two, a multiple of 4): the second pass's work per row. Fixed,
 # whatever the batch, so that a row's sample never depends on what else is in it.

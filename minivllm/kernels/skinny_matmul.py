@@ -33,10 +33,21 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from minivllm.kernels import (SplitKPartials, agrees_with_linear, cdiv, check_matmul_operands, dot_precision,
-                              matmul_k_range, sm_count, split_count, split_k_range, store_output, weight_rows)
+from minivllm.kernels.common import (
+    agrees_with_linear,
+    cdiv,
+    check_matmul_operands,
+    dot_precision,
+    matmul_k_range,
+    sm_count,
+    split_count,
+    split_k_range,
+    store_output,
+    weight_rows,
+)
 from minivllm.kernels.fused_ops import silu_and_mul
 from minivllm.kernels.pdl import pdl_enabled, pdl_options, wait_for_previous_kernel
+from minivllm.kernels.split_k import SplitKPartials
 
 # Largest batch this kernel serves (tl.dot's smallest M is 16).
 MAX_ROWS = 16
@@ -73,7 +84,8 @@ def _skinny_matmul_kernel(
     w_rows, col_mask = weight_rows(strip, N, BLOCK_N, SILU_AND_MUL)
     k_begin, k_end = split_k_range(K, split, SPLIT_K, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_begin + offs_k)[None, :]
-    w_ptrs = w_ptr + w_rows[:, None].to(tl.int64) * stride_wn + (k_begin + offs_k)[None, :]  # int64: N * K may pass 2**31
+    # int64: N * K may pass 2**31.
+    w_ptrs = w_ptr + w_rows[:, None].to(tl.int64) * stride_wn + (k_begin + offs_k)[None, :]
     wait_for_previous_kernel(PDL)
     acc = matmul_k_range(x_ptrs, w_ptrs, row_mask, col_mask, k_begin, k_end, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
                          DOT_PRECISION)

@@ -30,7 +30,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    # None on ranks other than 0, unlike an embedding's forward: the logits are gathered there only.
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
         """Full-vocabulary logits on rank 0 (None elsewhere)."""
         logits = gather_to_rank0(F.linear(hidden, self.weight))
         return logits[..., :self.vocab_size] if logits is not None else None

@@ -16,8 +16,8 @@ from minivllm.distributed import all_reduce, tp_rank, tp_size
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.custom_op import triton_kernels_enabled
 
-if TYPE_CHECKING:  # a type only: the torch path never imports the kernels (nor triton)
-    from minivllm.kernels import SplitKPartials
+if TYPE_CHECKING:  # a type only: the torch path imports nothing from kernels/
+    from minivllm.kernels.split_k import SplitKPartials
 
 # A linear layer's output as the next layer sees it: a tensor, or, from a RowParallelLinear built
 # with feeds_add_norm and the Triton kernels on one rank, a split-K matmul's unreduced partial

@@ -20,18 +20,20 @@ class RMSNorm(CustomOp):
     def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None
                        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return self._norm(x)
+            return self.norm(x)
         x = x + residual
-        return self._norm(x), x
+        return self.norm(x), x
 
     def forward_triton(self, x: LinearOutput, residual: torch.Tensor | None = None
                        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         from minivllm.kernels import fused_ops  # imported only where Triton is used
         if residual is None:
+            assert isinstance(x, torch.Tensor), "split-K partial sums come with a residual"
             return fused_ops.rms_norm(x, self.weight, self.eps)
         return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        """x normed in torch (no residual): the q/k head norms use it too."""
         # As Hugging Face: normalise in float32, scale in the model dtype.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -18,6 +18,8 @@ def rope_parameters(config: PretrainedConfig) -> dict:
 
 
 class RotaryEmbedding(nn.Module):
+    cos_sin: torch.Tensor  # a buffer (register_buffer below), typed for readers of it
+
     def __init__(self, config: PretrainedConfig, head_dim: int, max_position: int) -> None:
         super().__init__()
         params = rope_parameters(config)

@@ -209,7 +209,7 @@ def _min_tokens_pairs(rows: list[SamplingRow],
         p = row.params
         if len(row.output_token_ids) >= p.min_tokens:
             continue
-        blocked = [t for t in set(p.stop_token_ids) | p.all_stop_token_ids if 0 <= t < vocab_size]
+        blocked = [t for t in set(p.stop_token_ids or ()) | p.all_stop_token_ids if 0 <= t < vocab_size]
         row_ids += [i] * len(blocked)
         token_ids += blocked
     if not row_ids:
@@ -238,7 +238,7 @@ class Sampler(torch.nn.Module):
         if meta.edits_logits:
             logits = self.penalised_logits(logits, meta)
         sampled = self.sample(logits, meta)
-        if raw_logprobs is None:
+        if raw_logprobs is None or meta.max_num_logprobs is None:  # both None, or neither
             return SamplerOutput(sampled, None, None, None)
         token_ids, logprobs, ranks = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
         return SamplerOutput(sampled, token_ids, logprobs, ranks)
@@ -278,14 +278,15 @@ class Sampler(torch.nn.Module):
         """Next token per row from penalised logits: penalised_logits' copy when
         meta.edits_logits (the filters then work in place on it), else the model's logits,
         any float dtype, only read."""
-        greedy = None if meta.all_random else logits.argmax(dim=-1)
         if meta.all_greedy:
-            return greedy
+            return logits.argmax(dim=-1)
+        # Before the filters below, which work in place on these logits.
+        greedy = None if meta.all_random else logits.argmax(dim=-1)
         if meta.has_filters:  # the filters need the scaled logits: scale them in place
             sampled = self.gumbel_max_sample(self.filter_logits(logits, meta), None, meta.generators)
         else:  # the noise is scaled instead, in the same pass
             sampled = self.gumbel_max_sample(logits, meta.temperature, meta.generators)
-        if meta.all_random:
+        if greedy is None or meta.greedy_mask is None:  # all_random: both None
             return sampled
         return torch.where(meta.greedy_mask, greedy, sampled)
 
@@ -295,6 +296,8 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     then frequency * count and presence * (count > 0) over output tokens, both subtracted."""
     num_rows, vocab = logits.shape
     output_ids = meta.output_token_ids
+    # SamplingMetadata.build sets these together, for a batch with penalties.
+    assert output_ids is not None and meta.frequency_penalty is not None and meta.presence_penalty is not None
     # Padding ids equal vocab: they count into a spare last column, dropped afterwards.
     counts = torch.zeros(num_rows, vocab + 1, dtype=torch.float32, device=logits.device)
     counts.scatter_add_(1, output_ids, torch.ones(output_ids.shape, dtype=torch.float32,
@@ -302,6 +305,7 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     counts = counts[:, :vocab]
     in_output = counts > 0
     if meta.repetition_penalty is not None:
+        assert meta.prompt_token_ids is not None  # set with repetition_penalty
         seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=logits.device)
         seen.scatter_(1, meta.prompt_token_ids, True)
         seen = seen[:, :vocab] | in_output

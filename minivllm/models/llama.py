@@ -7,6 +7,7 @@ layers; the attention backend applies q/k norm and RoPE as it stores K/V.
 """
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -92,7 +93,9 @@ class LlamaDecoderLayer(nn.Module):
         """hidden: the previous layer's MLP output (or the embeddings, residual None); the
         projections' outputs are LinearOutputs, which only the add-RMSNorms read."""
         if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
+            assert isinstance(hidden, torch.Tensor), "the embeddings"
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, meta)
@@ -148,4 +151,4 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [cast(LlamaDecoderLayer, layer).self_attn.attn for layer in self.model.layers]

@@ -69,10 +69,11 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             return Qwen3MoeSparseMoeBlock(self.config)
         return super().make_mlp(layer_idx)
 
-    def checkpoint_target(self, name: str) -> tuple[str, int | ExpertPart]:
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
         match = _EXPERT_TENSOR.fullmatch(name)
         if match is None:
             return super().checkpoint_target(name)
         experts, expert, projection = match.groups()
         param = "w2" if projection == "down" else "w13"
-        return f"{experts}.{param}", (None if expert is None else int(expert), _W13_SHARDS.get(projection))
+        part: ExpertPart = (None if expert is None else int(expert), _W13_SHARDS.get(projection))
+        return f"{experts}.{param}", part

@@ -15,7 +15,7 @@ import signal
 import socket
 from collections.abc import Awaitable
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -94,6 +94,7 @@ def build_app(serving: OpenAIServing, api_key: str | None = None) -> FastAPI:
         if body.messages is not None:
             tokens = await serving.chat_prompt(body.messages, body.add_generation_prompt)
         else:
+            assert body.prompt is not None, "TokenizeRequest takes exactly one of prompt and messages"
             tokens = await serving.tokenize(body.prompt, body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": tokens}
 
@@ -106,7 +107,7 @@ def build_app(serving: OpenAIServing, api_key: str | None = None) -> FastAPI:
         vocab_size = engine.vocab_size
         if any(not 0 <= t < vocab_size for t in body.tokens):
             raise OpenAIError(f"Token ids must be in [0, {vocab_size}).", param="tokens")
-        return {"prompt": serving.tokenizer.decode(body.tokens)}
+        return {"prompt": cast(str, serving.tokenizer.decode(body.tokens))}  # one sequence: one string
 
     _add_error_handlers(app)
     if api_key:
@@ -330,7 +331,8 @@ def run_server(args: argparse.Namespace) -> None:
                               gpu_memory_utilization=args.gpu_memory_utilization,
                               kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                               enable_prefix_caching=args.enable_prefix_caching,
-                              tensor_parallel_size=args.tensor_parallel_size, block_size=args.block_size,
+                              tensor_parallel_size=args.tensor_parallel_size, device=args.device,
+                              block_size=args.block_size,
                               kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, load_format=args.load_format,
                               enforce_eager=args.enforce_eager)
         names = args.served_model_name or [args.model]

@@ -123,8 +123,8 @@ class CompletionRequest(_SamplingRequest):
     @classmethod
     def _prompt_form(cls, prompt: Any) -> Any:
         """One clear message for a prompt of no accepted form (rather than one error per form)."""
-        if not (isinstance(prompt, str) or _is_token_ids(prompt) or isinstance(prompt, list) and (
-                all(isinstance(p, str) for p in prompt) or all(_is_token_ids(p) for p in prompt))):
+        if not (isinstance(prompt, str) or _is_token_ids(prompt) or (isinstance(prompt, list) and (
+                all(isinstance(p, str) for p in prompt) or all(_is_token_ids(p) for p in prompt)))):
             raise ValueError("must be a string, a list of strings, a list of token ids (integers) or a list of "
                              "token-id lists")
         return prompt

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from json.encoder import encode_basestring_ascii
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 from starlette.types import Message, Send
 
@@ -190,17 +190,20 @@ class OpenAIServing:
 
     async def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]
                                   ) -> list[tuple[str | None, list[int]]]:
-        if isinstance(prompt, str) or prompt and isinstance(prompt[0], int):
-            prompt = [prompt]
-        if not prompt:
+        # One prompt (text or token ids), or a list of them (CompletionRequest checked which).
+        prompts = cast("list[str | list[int]]",
+                       [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt)
+        if not prompts:
             raise OpenAIError("prompt is empty: give a string, a list of strings, token ids or lists of them.",
                               param="prompt")
-        return [(p, await self.tokenize(p)) if isinstance(p, str) else (None, p) for p in prompt]
+        return [(p, await self.tokenize(p)) if isinstance(p, str) else (None, p) for p in prompts]
 
     def _prompt_text(self, text: str | None, token_ids: list[int]) -> str:
         if text is not None:
             return text
-        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+        if self.tokenizer is None:
+            return ""
+        return cast(str, self.tokenizer.decode(token_ids))  # one sequence's ids: one string
 
     # --- /v1/chat/completions ---------------------------------------------------------------
 
@@ -396,7 +399,8 @@ class _ChatResponse(_Response):
 
 def _top(position: dict[int, Logprob], k: int) -> list[Logprob]:
     """The k most likely candidates at one position, most likely first."""
-    return sorted((p for p in position.values() if p.rank is not None and p.rank <= k), key=lambda p: p.rank)
+    return sorted((p for p in position.values() if p.rank is not None and p.rank <= k),
+                  key=lambda p: cast(int, p.rank))  # not None: filtered
 
 
 def _clamp(logprob: float) -> float:
