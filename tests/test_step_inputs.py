@@ -76,6 +76,7 @@ def test_rows_run_decodes_first_longest_context_first() -> None:
     assert ordered.sampled_ids == [10, 11, 12, 13, 15, 16]
     assert [ordered.states[row].seq_id for row in ordered.sample_rows] == ordered.sampled_ids
     assert [state.seq_id for state in ordered.sampled] == ordered.sampled_ids
+    assert ordered.sampled_row_of == {seq_id: row for row, seq_id in enumerate(ordered.sampled_ids)}
 
 
 def test_persistent_batch_follows_the_scheduler_output() -> None:
@@ -114,6 +115,7 @@ def test_a_steady_batch_keeps_the_last_steps_order() -> None:
         assert rows.out is out and rows.states == fresh.states and rows.num_decodes == fresh.num_decodes
         for name in ("source_rows", "num_new_tokens", "num_computed_tokens", "sample_rows"):
             np.testing.assert_array_equal(getattr(rows, name), getattr(fresh, name))
-        assert rows.sampled_ids == fresh.sampled_ids and rows.sampled == fresh.sampled
+        assert (rows.sampled_ids, rows.sampled, rows.sampled_row_of) == (fresh.sampled_ids, fresh.sampled,
+                                                                          fresh.sampled_row_of)
         last = rows
     assert [state.seq_id for state in last.states] == [3, 0]

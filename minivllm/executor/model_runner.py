@@ -327,7 +327,7 @@ class ModelRunner:
         sampled = self.sampler(logits, self._sampling_metadata(rows))
         # The next step reads these on the device, for sequences whose token is still pending.
         self.last_sampled = sampled.sampled_token_ids
-        self.last_sampled_rows = dict(zip(sampled_ids, range(len(sampled_ids))))
+        self.last_sampled_rows = rows.sampled_row_of
         # Two pinned buffers in turn: a step's tokens are read after the next step is launched.
         self._token_buffer = 1 - self._token_buffer
         host = [self._sampled_host[self._token_buffer][:len(sampled_ids)]]

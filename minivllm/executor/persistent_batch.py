@@ -72,10 +72,12 @@ class StepRows:
     num_computed_tokens: np.ndarray  # int64, per row: where its new tokens start
     num_decodes: int  # the leading rows of one new token
     # The rows whose next token the step samples, in the scheduler's order (the order of the
-    # sampled logits and of the step's results); their sequence ids and states, likewise.
+    # sampled logits and of the step's results); their sequence ids and states, likewise; and
+    # each one's place in that order (its row of the step's sampled tokens), by id.
     sample_rows: np.ndarray
     sampled_ids: list[int]
     sampled: list[SequenceState]
+    sampled_row_of: dict[int, int]
 
     @property
     def num_tokens(self) -> int:
@@ -93,10 +95,12 @@ class StepRows:
         row_of = np.empty_like(order)
         row_of[order] = np.arange(len(order))
         samples = out.samples
+        sampled_ids = list(compress(out.seq_ids, samples))
         return cls(out=out, source_rows=order, states=[states[i] for i in order.tolist()],
                    num_new_tokens=num_new[order], num_computed_tokens=computed[order], num_decodes=len(decodes),
-                   sample_rows=row_of[np.array(samples, dtype=bool)],
-                   sampled_ids=list(compress(out.seq_ids, samples)), sampled=list(compress(states, samples)))
+                   sample_rows=row_of[np.array(samples, dtype=bool)], sampled_ids=sampled_ids,
+                   sampled=list(compress(states, samples)),
+                   sampled_row_of=dict(zip(sampled_ids, range(len(sampled_ids)))))
 
     def same_rows(self, out: SchedulerOutput) -> bool:
         """Whether `out` has this step's rows, in the same order, as many new tokens each and
