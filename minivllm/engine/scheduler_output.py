@@ -40,8 +40,8 @@ class SchedulerOutput:
     """One step, a row per scheduled sequence (the columns seq_ids .. samples), in the
     scheduler's order: the running sequences, then those admitted this step.
 
-    The runner may run the rows in any order it likes (it puts decodes first), but it
-    returns the sampled rows' results in this order.
+    The runner may run the rows in any order, but it returns the sampled rows' results in
+    this one.
 
     Room to grow without reaching around it: speculative decoding would add a column of
     draft tokens per row (the runner verifies them and returns the accepted ones, so each
@@ -51,8 +51,8 @@ class SchedulerOutput:
 
     seq_ids: list[int] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # tokens computed this step
-    # Tokens each row had computed before this step (where its new tokens start); less than
-    # the runner's last count after a preemption (recomputed from 0, or from a prefix hit).
+    # Tokens each row had computed before this step: where its new tokens start (0, or the end
+    # of a prefix-cache hit, for a sequence admitted again after a preemption).
     num_computed_tokens: list[int] = field(default_factory=list)
     # Whether the step samples the row's next token (its new tokens reach its last token,
     # known or still pending on the device).
