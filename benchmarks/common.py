@@ -398,15 +398,17 @@ def record_step_kinds(llm: Any) -> Callable[[], dict[str, dict[str, float]]]:
     launches: list[tuple[float, str, Any, Any]] = []
     recording_since = time.perf_counter()
 
-    def timed_launch(batch: Any) -> Any:
+    def timed_launch(step: Any) -> Any:  # a SchedulerOutput; a StepHandle or None
+        if not step.seq_ids:  # nothing to run (the runner only forgets finished sequences)
+            return launch(step)
         start = time.perf_counter()
         events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if torch.cuda.is_available() else None
         if events:
             events[0].record()
-        handle = launch(batch)
+        handle = launch(step)
         if events:
             events[1].record()
-        launches.append((start, step_kind(len(batch), sum(batch.num_new_tokens)),
+        launches.append((start, step_kind(len(step.seq_ids), sum(step.num_new_tokens)),
                          *(events or (None, None))))
         return handle
     runner.launch = timed_launch

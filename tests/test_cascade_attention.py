@@ -57,7 +57,7 @@ class CascadeBatch:
             query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=DEVICE),
             seq_lens=self.seq_lens, block_tables=self.block_tables,
             slot_mapping=torch.full((num_seqs,), -1, dtype=torch.int64, device=DEVICE),
-            max_query_len=1, max_seq_len=max(self.seq_lens_cpu),
+            max_query_len=1, max_seq_len=max(self.seq_lens_cpu), num_leading_decodes=num_seqs,
             num_shared_prefix_blocks=self.num_prefix_blocks)
 
     def cascade(self, **kwargs) -> torch.Tensor:

@@ -336,7 +336,7 @@ def test_start_up_warm_up_step_wraps_around_a_small_cache(model_dir: str) -> Non
     runner, config = llm.llm_engine.model_runner, llm.llm_engine.config
     step = runner._largest_step(runner.num_blocks)
     assert sum(step.num_new_tokens) == min(config.max_num_batched_tokens, config.max_num_seqs * MAX_MODEL_LEN)
-    assert {block for seq in step.seqs for block in seq.block_table} == set(range(9))
+    assert {block for new in step.new_seqs for block in new.block_ids} == set(range(9))
     runner._run_step_and_sampler(step)  # as the GPU start-up does
     prompt = random_prompt(2 * BLOCK_SIZE + 5, seed=9)
     out = llm.generate({"prompt_token_ids": prompt}, greedy(6), use_tqdm=False)[0]

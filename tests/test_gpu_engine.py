@@ -49,16 +49,15 @@ def test_fp32_greedy_matches_hf(arch: str, tiny_model_factory) -> None:
 
 def first_step_logits(model_dir: str, prompts: list[list[int]], dtype: str, backend: str) -> torch.Tensor:
     """Logits at the last prompt position of each prompt, from one eager prefill step."""
-    from minivllm.engine.scheduler import ScheduledBatch
-    from minivllm.engine.sequence import Sequence
+    from minivllm.engine.scheduler_output import NewSequenceData, SchedulerOutput
 
     runner = gpu_llm(model_dir, dtype=dtype, kernels=backend, enforce_eager=True).llm_engine.model_runner
-    batch = ScheduledBatch()
-    for i, prompt in enumerate(prompts):
-        seq = Sequence(str(i), 0, prompt, SamplingParams())
-        seq.block_table = list(range(i * 16, i * 16 + -(-len(prompt) // 8)))
-        batch.add(seq, len(prompt), samples=True)
-    return runner.execute_model(runner.prepare_inputs(batch)).float()
+    new_seqs = [NewSequenceData(i, prompt, SamplingParams(), None, list(range(i * 16, i * 16 + -(-len(prompt) // 8))))
+                for i, prompt in enumerate(prompts)]
+    step = SchedulerOutput(list(range(len(prompts))), [len(p) for p in prompts], [0] * len(prompts),
+                           [True] * len(prompts), new_seqs)
+    runner.update_states(step)
+    return runner.execute_model(runner.prepare_inputs(runner.batch.rows(step))).float()
 
 
 def test_bf16_first_step_logits_match_torch_backend(tiny_model_factory) -> None:

@@ -1,23 +1,28 @@
 """Scheduler.schedule on its own (CPU, no model): a real KVCacheManager and hand-made
 Sequences. The engine's part is played by `read_back`, which makes the tokens a step
-sampled known, as LLMEngine does once the step comes back.
+sampled known, as LLMEngine does once the step comes back; the runner's part by a
+PersistentBatch that takes in every SchedulerOutput (MirroredScheduler).
 
 Each test protects one scheduling rule users depend on: the token budget and chunked
 prompts, max_num_seqs, running sequences before waiting ones (FCFS), preemption of the
 newest running sequence (and of a sequence by itself), no admission in a step that
 preempted, and prefix-cache hits that skip computed tokens on admission. Every step also checks
-that the batch ends with the sequences it admitted, counted by num_admitted.
+that the batch ends with the sequences it admitted, counted by num_admitted, and that the
+runner, from the outputs' changes alone, holds every scheduled sequence's block table.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from minivllm import SamplingParams
 from minivllm.config import EngineConfig
 from minivllm.engine.kv_cache_manager import KVCacheManager
-from minivllm.engine.scheduler import ScheduledBatch, Scheduler
+from minivllm.engine.scheduler import Scheduler
+from minivllm.engine.scheduler_output import SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.executor.persistent_batch import PersistentBatch
 from tests.conftest import TinyModelFactory
 
 BLOCK_SIZE = 4
@@ -25,6 +30,33 @@ MAX_MODEL_LEN = 64
 SAMPLED_TOKEN = 5  # the value read_back gives every sampled token
 
 Row = tuple[str, int, int, bool]  # (request id, computed tokens before the step, new tokens, samples)
+Scheduled = tuple[SchedulerOutput, list[Sequence]]  # a step and its rows' sequences
+
+
+class MirroredScheduler(Scheduler):
+    """A Scheduler whose every output goes to a runner's PersistentBatch, which must then
+    hold each scheduled sequence's prompt and block table, and exactly the sequences it was
+    shown that have not finished (preempted ones included)."""
+
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
+        super().__init__(config, kv_cache_manager)
+        self.runner = PersistentBatch(torch.device("cpu"))
+        self.added: dict[int, Sequence] = {}  # every sequence added, by id
+
+    def add(self, seq: Sequence) -> None:
+        self.added[seq.seq_id] = seq
+        super().add(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = super().schedule()
+        self.runner.update(out)
+        for seq_id in out.seq_ids:
+            seq, state = self.added[seq_id], self.runner.states[seq_id]
+            assert state.block_table == seq.block_table
+            assert state.token_ids[:state.num_prompt_tokens] == seq.prompt_token_ids
+        shown = {seq.seq_id for seq in [*self.running, *self.waiting] if seq.runner_blocks >= 0}
+        assert set(self.runner.states) == shown
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +66,12 @@ def model_dir(tiny_model_factory: TinyModelFactory) -> str:
 
 
 def make_scheduler(model_dir: str, num_blocks: int, max_num_batched_tokens: int, max_num_seqs: int = 8,
-                   enable_prefix_caching: bool = False) -> Scheduler:
+                   enable_prefix_caching: bool = False) -> MirroredScheduler:
     """A Scheduler over a fresh KVCacheManager of num_blocks blocks of BLOCK_SIZE tokens."""
     config = EngineConfig(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           enable_prefix_caching=enable_prefix_caching)
-    return Scheduler(config, KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching))
+    return MirroredScheduler(config, KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching))
 
 
 def make_seq(request_id: str, prompt: int | list[int], max_tokens: int = 32) -> Sequence:
@@ -51,38 +83,47 @@ def make_seq(request_id: str, prompt: int | list[int], max_tokens: int = 32) -> 
     return Sequence(request_id, 0, prompt, SamplingParams(max_tokens=max_tokens))
 
 
-def rows(batch: ScheduledBatch) -> list[Row]:
+def schedule(scheduler: MirroredScheduler) -> Scheduled:
+    """Schedule one step: its output, and its rows' sequences."""
+    out = scheduler.schedule()
+    return out, [scheduler.added[seq_id] for seq_id in out.seq_ids]
+
+
+def rows(scheduled: Scheduled) -> list[Row]:
+    out, seqs = scheduled
     return [(seq.request_id, computed, new, samples) for seq, computed, new, samples
-            in zip(batch.seqs, batch.num_computed_tokens, batch.num_new_tokens, batch.samples)]
+            in zip(seqs, out.num_computed_tokens, out.num_new_tokens, out.samples)]
 
 
-def read_back(batch: ScheduledBatch) -> None:
+def read_back(scheduled: Scheduled) -> None:
     """What the engine does when a step comes back: each sampled token becomes known."""
-    for seq, samples in zip(batch.seqs, batch.samples):
+    out, seqs = scheduled
+    for seq, samples in zip(seqs, out.samples):
         if samples and not seq.is_finished:
             seq.token_ids.append(SAMPLED_TOKEN)
             seq.num_pending_tokens -= 1
 
 
-def step(scheduler: Scheduler) -> list[Row]:
+def step(scheduler: MirroredScheduler) -> list[Row]:
     """Schedule one step, check the KV cache's books, and read its tokens back."""
     waiting = set(scheduler.waiting)
-    batch = scheduler.schedule()
-    check_books(scheduler, batch)
+    scheduled = schedule(scheduler)
+    out, seqs = scheduled
+    check_books(scheduler, out)
     # The sequences admitted from the waiting queue end the batch, and num_admitted counts them.
-    admitted = [seq in waiting for seq in batch.seqs]
-    assert admitted == [False] * (len(batch) - batch.num_admitted) + [True] * batch.num_admitted
-    read_back(batch)
-    return rows(batch)
+    admitted = [seq in waiting for seq in seqs]
+    assert admitted == [False] * (len(seqs) - out.num_admitted) + [True] * out.num_admitted
+    read_back(scheduled)
+    return rows(scheduled)
 
 
-def check_books(scheduler: Scheduler, batch: ScheduledBatch) -> None:
+def check_books(scheduler: Scheduler, out: SchedulerOutput) -> None:
     """Invariants after any schedule(): the budget and max_num_seqs hold; running sequences
     hold blocks for every computed token, waiting ones hold none; ref counts add up."""
     kv = scheduler.kv_cache_manager
-    assert sum(batch.num_new_tokens) <= scheduler.max_num_batched_tokens
+    assert sum(out.num_new_tokens) <= scheduler.max_num_batched_tokens
     assert len(scheduler.running) <= scheduler.max_num_seqs
-    assert all(n > 0 for n in batch.num_new_tokens)
+    assert all(n > 0 for n in out.num_new_tokens)
     for seq in scheduler.running:
         assert seq.status is SequenceStatus.RUNNING
         assert len(seq.block_table) * kv.block_size >= seq.num_computed_tokens > 0
@@ -181,10 +222,10 @@ def test_sequence_at_its_length_limit_is_not_scheduled(model_dir: str) -> None:
     scheduler = make_scheduler(model_dir, num_blocks=32, max_num_batched_tokens=64)
     scheduler.add(make_seq("A", 4, max_tokens=2))
     scheduler.add(make_seq("B", 4, max_tokens=8))
-    assert rows(scheduler.schedule()) == [("A", 0, 4, True), ("B", 0, 4, True)]
-    assert rows(scheduler.schedule()) == [("A", 4, 1, True), ("B", 4, 1, True)]  # tokens 1 pending
+    assert rows(schedule(scheduler)) == [("A", 0, 4, True), ("B", 0, 4, True)]
+    assert rows(schedule(scheduler)) == [("A", 4, 1, True), ("B", 4, 1, True)]  # tokens 1 pending
     # A now has 2 outputs (pending): max_tokens reached before either is read back.
-    assert rows(scheduler.schedule()) == [("B", 5, 1, True)]
+    assert rows(schedule(scheduler)) == [("B", 5, 1, True)]
 
 
 # --- preemption -------------------------------------------------------------------------------
@@ -271,18 +312,18 @@ def test_preempted_sequences_finish_with_all_their_tokens(model_dir: str, enable
             for name, length in zip("ABCDE", (5, 9, 4, 12, 7))]
     for seq in seqs:
         scheduler.add(seq)
-    in_flight: ScheduledBatch | None = None
+    in_flight: Scheduled | None = None
     for _ in range(300):
-        batch = scheduler.schedule()
-        check_books(scheduler, batch)
+        scheduled = schedule(scheduler)
+        check_books(scheduler, scheduled[0])
         if in_flight is not None:
             read_back(in_flight)
-            for seq, samples in zip(in_flight.seqs, in_flight.samples):
+            for seq, samples in zip(in_flight[1], in_flight[0].samples):
                 # As LLMEngine._check_stop: a known token that reaches max_tokens ends it,
                 # wherever it is (running, or waiting after a preemption).
                 if samples and not seq.is_finished and seq.length_limit_reached(MAX_MODEL_LEN, len(seq.token_ids)):
                     scheduler.finish(seq, "length")
-        in_flight = batch
+        in_flight = scheduled
         if not scheduler.running and not scheduler.waiting:
             break
     assert all(seq.is_finished for seq in seqs)
@@ -361,3 +402,40 @@ def test_prefix_caching_off_computes_every_token(model_dir: str) -> None:
     scheduler.add(make_seq("A", prompt))
     scheduler.add(make_seq("B", prompt))
     assert step(scheduler) == [("A", 0, 12, True), ("B", 0, 12, True)]
+
+
+# --- what the runner is told ------------------------------------------------------------------
+
+
+def test_scheduler_output_sends_the_runner_only_what_changed(model_dir: str) -> None:
+    """A sequence's prompt and blocks go to the runner the first time it is scheduled; then
+    only blocks it gains, none for a decode inside its last block; after a preemption its
+    new table, whole; and its id once it finishes. A request aborted before it ever ran is
+    not the runner's business."""
+    scheduler = make_scheduler(model_dir, num_blocks=5, max_num_batched_tokens=16, max_num_seqs=2)
+    seq_a, seq_b, seq_c = make_seq("A", 6), make_seq("B", 5), make_seq("C", 3)
+    for seq in (seq_a, seq_b, seq_c):
+        scheduler.add(seq)
+
+    def next_step() -> SchedulerOutput:
+        scheduled = schedule(scheduler)
+        read_back(scheduled)
+        return scheduled[0]
+
+    out = next_step()  # A on blocks 0-1, B on 2-3; C waits (max_num_seqs)
+    assert [(new.seq_id, new.prompt_token_ids, new.block_ids) for new in out.new_seqs] == [
+        (seq_a.seq_id, seq_a.prompt_token_ids, [0, 1]), (seq_b.seq_id, seq_b.prompt_token_ids, [2, 3])]
+    assert out.block_updates == [] and out.finished_seq_ids == []
+    for _ in range(2):
+        out = next_step()  # decodes inside their last blocks
+        assert out.seq_ids == [seq_a.seq_id, seq_b.seq_id] and out.new_seqs == [] and out.block_updates == []
+    out = next_step()  # A's 9th token takes a third block
+    assert out.block_updates == [(seq_a.seq_id, 2, [4])]
+    out = next_step()  # B's 9th needs one too: none is free, and B is the newest: preempted
+    assert out.seq_ids == [seq_a.seq_id] and scheduler.num_preemptions == 1
+    scheduler.finish(seq_a, "stop")
+    scheduler.finish(seq_c, "abort")  # never scheduled
+    out = scheduler.schedule()  # B again, on new blocks
+    assert out.seq_ids == [seq_b.seq_id] and out.new_seqs == []
+    assert out.block_updates == [(seq_b.seq_id, 0, seq_b.block_table)]
+    assert out.finished_seq_ids == [seq_a.seq_id]

@@ -84,10 +84,8 @@ def test_architectures_without_qk_norm_match_hf(arch: str, tiny_model_factory) -
 def test_padded_steps_compute_what_unpadded_steps_do(model_dir: str, few_seqs: int,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """What the CUDA graphs run, here eagerly: a step padded to a graph's shape (empty
-    sequences, tokens stored nowhere; in a prefill graph every sequence goes through the
-    mixed kernel, decodes included) gives the logits of the same step unpadded."""
-    from minivllm.engine.scheduler import ScheduledBatch
-    from minivllm.engine.sequence import Sequence
+    sequences, tokens stored nowhere) gives the logits of the same step unpadded."""
+    from minivllm.engine.scheduler_output import NewSequenceData, SchedulerOutput
     from minivllm.executor import cuda_graphs
     from minivllm.executor.cuda_graphs import StepGraphs, graph_metadata
 
@@ -107,36 +105,34 @@ def test_padded_steps_compute_what_unpadded_steps_do(model_dir: str, few_seqs: i
     shapes = []
 
     rng = random.Random(4)
-    seqs = [Sequence(str(i), 0, [rng.randrange(3, 700) for _ in range(n)], SamplingParams())
-            for i, n in enumerate((5, 9, 13))]
-    for i, seq in enumerate(seqs):
-        seq.block_table = [2 * i, 2 * i + 1]
+    prompts = [[rng.randrange(3, 700) for _ in range(n)] for n in (5, 9, 13)]
+    runner.update_states(SchedulerOutput(new_seqs=[
+        NewSequenceData(i, prompt, SamplingParams(), None, [2 * i, 2 * i + 1]) for i, prompt in enumerate(prompts)]))
+    states = runner.batch.states
+    computed = [0] * len(prompts)
 
     def step(order: list[int], new_tokens: list[int]) -> None:
-        batch = ScheduledBatch()
-        for i, n in zip(order, new_tokens):
-            batch.add(seqs[i], n, samples=seqs[i].num_computed_tokens + n == len(seqs[i].token_ids))
-        shapes.append(graphs.padded_shape(new_tokens))
-        eager = runner.execute_model(runner.prepare_inputs(batch))
-        padded = runner.execute_model(runner.prepare_inputs(batch, shapes[-1]))
+        samples = [computed[i] + n == len(states[i].token_ids) for i, n in zip(order, new_tokens)]
+        rows = runner.batch.rows(SchedulerOutput(order, new_tokens, [computed[i] for i in order], samples))
+        shapes.append(graphs.padded_shape(rows.num_tokens, len(rows.states), rows.num_decodes))
+        eager = runner.execute_model(runner.prepare_inputs(rows))
+        padded = runner.execute_model(runner.prepare_inputs(rows, shapes[-1]))
         # fp32 on the CPU: torch's GEMMs may round differently for 3 rows than for 4 (a few
         # 1e-5 on these logits); a padding error moves logits by orders of magnitude more.
         torch.testing.assert_close(padded, eager, atol=1e-4, rtol=1e-4)
         for i, n in zip(order, new_tokens):
-            seqs[i].num_computed_tokens += n
+            computed[i] += n
 
     step([0, 1], [5, 6])  # prefill: 11 tokens in a 16-token graph
-    seqs[0].token_ids.append(17)
-    # The rest of a chunked prompt, a whole prompt, and a one-token row (what a decode
-    # computes) that the mixed kernel takes in the graph.
-    step([1, 2, 0], [3, 13, 1])
-    for seq in seqs:
-        seq.token_ids.append(23)
+    step([1, 2], [3, 13])  # the rest of a chunked prompt and a whole prompt: 16 tokens
+    for state, token in zip(states.values(), (17, 23, 29)):
+        state.token_ids.append(token)
     step([0, 1, 2], [1, 1, 1])  # decode: a batch of 3 in the graph of 4
     rows = 6 if few_seqs == 1 else 4
-    assert shapes == [(16, rows), (32, rows), (4, 4)]
-    # Decodes at the front of a mixed step run eagerly, through the split-KV decode kernel.
-    assert graphs.padded_shape([1, 5]) is None and graphs.padded_shape([7, 2050]) is None
+    assert shapes == [(16, rows), (16, rows), (4, 4)]
+    # Decodes at the front of a mixed step run eagerly, through the split-KV decode kernel;
+    # so does a step too big for every graph.
+    assert graphs.padded_shape(6, 2, 1) is None and graphs.padded_shape(2057, 2, 0) is None
 
 
 @pytest.mark.parametrize("kernel", ["skinny_matmul", "batch_matmul"])

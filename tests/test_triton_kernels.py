@@ -66,10 +66,12 @@ def check(out, ref, dtype):
 
 
 def make_meta(qsl, seq_lens, block_tables, slot_mapping):
+    """The batch's metadata; its leading one-token rows are its decodes, as the runner sets them."""
     q_lens = (qsl[1:] - qsl[:-1]).tolist()
     return AttentionMetadata(
         query_start_loc=qsl, seq_lens=seq_lens, block_tables=block_tables,
         slot_mapping=slot_mapping, max_query_len=max(q_lens), max_seq_len=int(seq_lens.max()),
+        num_leading_decodes=next((b for b, n in enumerate(q_lens) if n != 1), len(q_lens)),
         query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
 
 

@@ -182,7 +182,7 @@ def bench_mixed_step():
     q = torch.randn(qsl_cpu[-1], HQ, D, dtype=DTYPE, device="cuda")
     meta = AttentionMetadata(
         query_start_loc=qsl, seq_lens=lens, block_tables=table, slot_mapping=None,
-        max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens), num_leading_decodes=q_lens.count(1),
         query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens)
     backend = TritonAttentionBackend(HQ, HKV, D, 256)
     print("\n== mixed step: 255 decodes (ctx ~1000) + a 2048-token chunk over a 2048 prefix", flush=True)

@@ -94,7 +94,7 @@ def max_error(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache
     meta = AttentionMetadata(
         query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device=q.device),
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=q.device), block_tables=table[:rows],
-        slot_mapping=None, max_query_len=1, max_seq_len=max(lens),
+        slot_mapping=None, max_query_len=1, max_seq_len=max(lens), num_leading_decodes=rows,
         query_start_loc_cpu=list(range(rows + 1)), seq_lens_cpu=lens)
     want = TorchAttentionBackend().attend(q[:rows].float(), k_cache, v_cache, meta, D ** -0.5)
     return ((out[:rows].float() - want).abs() / (want.abs() + 0.01)).max().item()

@@ -1,6 +1,5 @@
 """AttentionMetadata: one step's batch, flattened, as every attention backend sees it."""
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +22,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [N] int64, where each new token's K/V is stored; -1: skip
     max_query_len: int
     max_seq_len: int
+    # Rows of one new token at the front of the batch (decodes: the runner puts them first),
+    # which backends batch apart from the prompt chunks after them; all rows of a
+    # decode-only step.
+    num_leading_decodes: int
     # Host copies, for the torch backend's per-sequence loop. None in CUDA graphs, whose
     # replays change the device values without the host knowing.
     query_start_loc_cpu: list[int] | None = None
@@ -38,13 +41,3 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
-
-    @functools.cached_property  # every layer asks, once per step is enough
-    def num_leading_decodes(self) -> int:
-        """Sequences with one new token at the front of the batch (a mixed step's decodes:
-        ScheduledBatch puts them first), from the host copy of query_start_loc; 0 without it."""
-        qsl = self.query_start_loc_cpu
-        if qsl is None:
-            return 0
-        num_seqs = len(qsl) - 1
-        return next((b for b in range(num_seqs) if qsl[b + 1] != b + 1), num_seqs)

@@ -6,10 +6,11 @@ Per layer, forward launches fused_ops.qk_norm_rope_store (the q/k prologue: norm
 and the K/V store, in one kernel), then attends (`attend`).
 
 Decode-only steps (meta.max_query_len == 1) take the split-KV decode kernel. Mixed steps
-send their leading one-token sequences (decodes first: ScheduledBatch) to the
-decode kernel too, and the rest to the mixed kernel. Both are CUDA-graph capturable: launch
-sizes come from tensor shapes and meta.max_seq_len only (under graphs pass max_model_len as
-max_seq_len), real lengths are read from meta.seq_lens on the device.
+send their leading one-token sequences (meta.num_leading_decodes: the runner puts decodes
+first, executor/persistent_batch.StepRows) to the decode kernel too, and the rest to the
+mixed kernel. Both are CUDA-graph capturable: launch sizes come from tensor shapes and
+meta.max_seq_len only (under graphs pass max_model_len as max_seq_len), real lengths are
+read from meta.seq_lens on the device.
 
 Decodes (of a decode-only or a mixed step) that all begin with the same blocks take the
 cascade kernels when the runner sets meta.num_shared_prefix_blocks: the shared prefix is read
@@ -125,12 +126,11 @@ class TritonAttentionBackend:
         if meta.is_decode_only:
             return self._decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, meta.max_seq_len,
                                 meta.num_shared_prefix_blocks, scale)
-        # Mixed step. Sequences with one new token at the front of the batch (the running
-        # sequences' decodes: ScheduledBatch puts them first) go to the decode kernel: in
-        # the mixed kernel each would occupy a whole query tile, wasting its matmul work.
-        # (Needs the host copy of query_start_loc; without it everything takes the mixed kernel.)
+        # Mixed step. Sequences with one new token at the front of the batch (its decodes:
+        # the runner puts them first) go to the decode kernel: in the mixed kernel each would
+        # occupy a whole query tile, wasting its matmul work. (A prefill graph's metadata has
+        # none: there every sequence takes the mixed kernel.)
         num_seqs = meta.seq_lens.shape[0]
-        qsl = meta.query_start_loc_cpu
         num_decodes = meta.num_leading_decodes
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if num_decodes > 0:
@@ -138,9 +138,10 @@ class TritonAttentionBackend:
                          meta.block_tables[:num_decodes], meta.max_seq_len, meta.num_shared_prefix_blocks,
                          scale, out=out[:num_decodes])
         if num_decodes < num_seqs:
+            # The first prompt chunk's first token is row num_decodes: one token per decode.
             paged_attention_mixed(
                 q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                scale, out=out, first_seq=num_decodes, first_token=qsl[num_decodes] if qsl else 0,
+                scale, out=out, first_seq=num_decodes, first_token=num_decodes,
                 max_query_len=meta.max_query_len)
         return out
 
@@ -205,7 +206,7 @@ class TritonAttentionBackend:
                 seq_lens=torch.full((num_seqs,), block_size + 1, dtype=torch.int32, device=device),
                 block_tables=torch.zeros((num_seqs, 2), dtype=torch.int32, device=device),
                 slot_mapping=torch.full((num_seqs,), -1, dtype=torch.int64, device=device),
-                max_query_len=1, max_seq_len=block_size + 1)
+                max_query_len=1, max_seq_len=block_size + 1, num_leading_decodes=num_seqs)
             meta.num_shared_prefix_blocks = torch.ones(1, dtype=torch.int32, device=device)
             q = torch.zeros(num_seqs, num_q_heads, head_dim, dtype=dtype, device=device)
             self.attend(q, k_cache, v_cache, meta, 1.0)

@@ -6,7 +6,6 @@ import time
 from dataclasses import dataclass, field
 from typing import cast
 
-import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from minivllm.config import EngineConfig
@@ -80,6 +79,7 @@ class LLMEngine:
                                                config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.requests: dict[str, Request] = {}
+        self.seqs: dict[int, Sequence] = {}  # the requests' sequences, by id
         self.in_flight: StepHandle | None = None  # the launched step not yet read back
         self.failure: BaseException | None = None  # what broke a step (the engine is then unusable)
         self._request_counter = itertools.count()
@@ -135,11 +135,9 @@ class LLMEngine:
             set() if params.ignore_eos else self.eos_token_ids)
         seqs, detokenizers = [], []
         for index in range(params.n):
-            generator = None
-            if params.seed is not None:
-                # Each sample has its own stream, so a seeded request is batch-independent.
-                generator = torch.Generator(device=self.config.device).manual_seed(params.seed + index)
-            seqs.append(Sequence(request_id, index, prompt_token_ids, params, generator))
+            # Each sample has its own random stream, so a seeded request is batch-independent.
+            seed = None if params.seed is None else params.seed + index
+            seqs.append(Sequence(request_id, index, prompt_token_ids, params, seed))
             # Text is needed step by step only to stream it or to find stop strings; other
             # requests are detokenized once, at the end (off the per-step path).
             incremental = stream or bool(params.stop)
@@ -154,6 +152,7 @@ class LLMEngine:
             raise ValueError(f"Request id {request.request_id!r} is already in use.")
         self.requests[request.request_id] = request
         for seq in request.seqs:
+            self.seqs[seq.seq_id] = seq
             self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
@@ -162,6 +161,7 @@ class LLMEngine:
             return
         for seq in request.seqs:
             self.scheduler.finish(seq, "abort")
+            del self.seqs[seq.seq_id]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -206,22 +206,23 @@ class LLMEngine:
             self.in_flight = None
         if self.failure is not None:
             raise RuntimeError("The engine failed in an earlier step; start a new one.") from self.failure
-        batch = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule()
         try:
-            launched = self.model_runner.launch(batch) if batch.seqs else None
+            # (Called for a step without rows too: the runner forgets finished sequences.)
+            launched = self.model_runner.launch(scheduled)
         except BaseException as error:
             # The scheduler already counted this step as done (computed tokens, cached block
             # hashes), so the engine's books no longer match the KV cache: stop for good.
             self.failure = error
             raise
         now = time.time()
-        for seq in batch.seqs[len(batch) - batch.num_admitted:]:
-            metrics = self.requests[seq.request_id].metrics
+        for seq_id in scheduled.seq_ids[len(scheduled.seq_ids) - scheduled.num_admitted:]:
+            metrics = self.requests[self.seqs[seq_id].request_id].metrics
             # A preempted sequence is admitted again: its request keeps its first time.
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
-        num_decodes = batch.num_new_tokens.count(1)
+        num_decodes = scheduled.num_new_tokens.count(1)
         self.num_decode_tokens += num_decodes
-        self.num_prefill_tokens += sum(batch.num_new_tokens) - num_decodes
+        self.num_prefill_tokens += sum(scheduled.num_new_tokens) - num_decodes
         if self.in_flight is not None:
             outputs += self._finish_step(self.in_flight)
         self.in_flight = launched
@@ -236,9 +237,11 @@ class LLMEngine:
     def _finish_step(self, handle: StepHandle) -> list[RequestOutput]:
         advanced: dict[str, Request] = {}
         now = time.time()
-        seqs, token_ids, logprobs = self.model_runner.collect(handle)
-        for seq, token, token_logprobs in zip(seqs, token_ids, logprobs):
-            if seq.status is SequenceStatus.FINISHED:  # finished or aborted meanwhile: drop it
+        sampled = self.model_runner.collect(handle)
+        for seq, token, token_logprobs in zip(map(self.seqs.get, sampled.seq_ids), sampled.token_ids,
+                                              sampled.logprobs):
+            # Finished or aborted meanwhile (None: its whole request is gone): drop the token.
+            if seq is None or seq.status is SequenceStatus.FINISHED:
                 continue
             seq.token_ids.append(token)
             seq.num_pending_tokens -= 1
@@ -259,6 +262,8 @@ class LLMEngine:
             if request.finished:
                 request.metrics.finished_time = now
                 del self.requests[request.request_id]
+                for seq in request.seqs:
+                    del self.seqs[seq.seq_id]
             elif not request.stream:
                 continue
             outputs.append(self._make_output(request, final_texts))

@@ -8,63 +8,58 @@ the waiting queue.
 """
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from minivllm.config import EngineConfig
 from minivllm.engine.kv_cache_manager import KVCacheManager
+from minivllm.engine.scheduler_output import BlockUpdate, NewSequenceData, SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceStatus
 
 
-@dataclass
-class ScheduledBatch:
-    """One step's work, a row per sequence. Decodes first: the layout the runner, the
-    Triton attention backend and the CUDA graphs rely on, stated here once.
+class _StepBuilder:
+    """Collects one step's rows, and what the runner lacks of their sequences."""
 
-    A running sequence has more than one new token only while its prompt is being chunked,
-    and that can only be the most recently admitted one (a prompt is cut only when the
-    budget runs out, so nothing is admitted after it in that step): every batch starts with
-    its decodes (one new token each), then prompt chunks. `longest_decodes_first` sorts
-    that leading run by context, longest first, since the decode kernel starts its programs
-    in batch order. TritonAttentionBackend.attend sends the leading one-token rows of a
-    mixed step to the split-KV decode kernel and the rest to the mixed kernel (a later
-    one-token row would still be right, only slower); StepGraphs.padded_shape runs a mixed
-    step that starts with a decode eagerly.
-    """
+    __slots__ = (
+        "block_updates",
+        "new_seqs",
+        "num_admitted",
+        "num_computed_tokens",
+        "num_new_tokens",
+        "samples",
+        "seq_ids",
+    )
 
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)  # per sequence, this step
-    # Tokens each sequence had computed before this step (where its new tokens start).
-    num_computed_tokens: list[int] = field(default_factory=list)
-    # Whether the step samples the sequence's next token (its last known token is computed).
-    samples: list[bool] = field(default_factory=list)
-    # How many of the last sequences came from the waiting queue this step (admitted).
-    num_admitted: int = 0
+    def __init__(self) -> None:
+        self.seq_ids: list[int] = []
+        self.num_new_tokens: list[int] = []
+        self.num_computed_tokens: list[int] = []
+        self.samples: list[bool] = []
+        self.new_seqs: list[NewSequenceData] = []
+        self.block_updates: list[BlockUpdate] = []
+        self.num_admitted = 0
 
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    def add(self, seq: Sequence, num_new_tokens: int, samples: bool) -> None:
-        self.seqs.append(seq)
-        self.num_new_tokens.append(num_new_tokens)
-        self.num_computed_tokens.append(seq.num_computed_tokens)
+    def add(self, seq: Sequence, num_new: int) -> None:
+        """Add seq's row and count the step's work as done (the runner runs it)."""
+        num_computed = seq.num_computed_tokens
+        samples = num_computed + num_new == seq.num_tokens
+        self.seq_ids.append(seq.seq_id)
+        self.num_new_tokens.append(num_new)
+        self.num_computed_tokens.append(num_computed)
         self.samples.append(samples)
+        seq.num_computed_tokens = num_computed + num_new
+        if samples:
+            seq.num_pending_tokens += 1  # its value comes back after the step runs
+        table, sent = seq.block_table, seq.runner_blocks
+        if len(table) > sent:  # (a decode inside its last block, the common row, skips this)
+            if sent < 0:
+                self.new_seqs.append(NewSequenceData(seq.seq_id, seq.prompt_token_ids, seq.params, seq.seed,
+                                                     table[:]))
+            else:
+                self.block_updates.append((seq.seq_id, sent, table[sent:]))
+            seq.runner_blocks = len(table)
 
-    @property
-    def num_leading_decodes(self) -> int:
-        """The one-token sequences that lead the batch: its decodes (all of a decode-only step)."""
-        return next((i for i, n in enumerate(self.num_new_tokens) if n != 1), len(self))
-
-    def longest_decodes_first(self) -> "ScheduledBatch":
-        """The batch with its leading one-token sequences (the decodes) ordered by context
-        length, longest first; the rest as they are. The decode attention kernel starts its
-        programs in batch order: this way no long context starts last and sets the launch's
-        tail."""
-        num_decodes = self.num_leading_decodes
-        order = sorted(range(num_decodes), key=self.num_computed_tokens.__getitem__, reverse=True)
-        order += range(num_decodes, len(self))
-        return ScheduledBatch([self.seqs[i] for i in order], [self.num_new_tokens[i] for i in order],
-                              [self.num_computed_tokens[i] for i in order], [self.samples[i] for i in order],
-                              num_admitted=self.num_admitted)
+    def build(self, finished_seq_ids: list[int]) -> SchedulerOutput:
+        return SchedulerOutput(self.seq_ids, self.num_new_tokens, self.num_computed_tokens, self.samples,
+                               self.new_seqs, self.block_updates, finished_seq_ids, self.num_admitted)
 
 
 class Scheduler:
@@ -76,12 +71,14 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Sequences the runner has seen that finished since the last step (it drops them).
+        self._finished_seq_ids: list[int] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
+    def schedule(self) -> SchedulerOutput:
+        step = _StepBuilder()
         budget = self.max_num_batched_tokens
         preempted = False
         # 1. Running sequences: decodes and continuing prompt chunks, oldest first.
@@ -101,7 +98,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                self._schedule(batch, seq, num_new)
+                step.add(seq, num_new)
                 budget -= num_new
                 i += 1
         # 2. Waiting sequences, FCFS; not after a preemption (blocks are short this step).
@@ -117,23 +114,15 @@ class Scheduler:
                 seq.num_cached_tokens = num_computed
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            self._schedule(batch, seq, num_new)
-            batch.num_admitted += 1
+            step.add(seq, num_new)
+            step.num_admitted += 1
             budget -= num_new
-        return batch
-
-    @staticmethod
-    def _schedule(batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
-        """Add seq to the batch and count the step's work as done (the runner runs it)."""
-        num_computed = seq.num_computed_tokens
-        samples = num_computed + num_new == seq.num_tokens
-        batch.add(seq, num_new, samples)
-        seq.num_computed_tokens = num_computed + num_new
-        if samples:
-            seq.num_pending_tokens += 1  # its value comes back after the step runs
+        finished, self._finished_seq_ids = self._finished_seq_ids, []
+        return step.build(finished)
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv_cache_manager.free(seq)
+        seq.runner_blocks = 0  # the runner keeps the sequence; its new table is sent whole
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -147,6 +136,8 @@ class Scheduler:
         else:
             return
         self.kv_cache_manager.free(seq)
+        if seq.runner_blocks >= 0:
+            self._finished_seq_ids.append(seq.seq_id)
         seq.num_pending_tokens = 0  # whatever is still in flight for it is dropped
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = finish_reason

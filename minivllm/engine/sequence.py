@@ -3,8 +3,6 @@
 import enum
 import itertools
 
-import torch
-
 from minivllm.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -18,7 +16,7 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int],
-                 params: SamplingParams, generator: torch.Generator | None = None) -> None:
+                 params: SamplingParams, seed: int | None = None) -> None:
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
         self.index = index  # which of the request's n samples
@@ -26,7 +24,9 @@ class Sequence:
         # Whether sampling reads this sequence's tokens so far (penalties, min_tokens): read
         # once here, since every step asks it of every running sequence.
         self.needs_token_history = params.needs_token_history
-        self.generator = generator
+        self.seed = seed  # of its own random stream (the runner's generator); None: unseeded
+        # The prompt as given (the request's list, which nothing changes) and the known tokens.
+        self.prompt_token_ids = prompt_token_ids
         self.token_ids: list[int] = list(prompt_token_ids)  # known tokens only
         self.num_prompt_tokens = len(prompt_token_ids)
         # Tokens sampled on the GPU whose values the host has not read yet (the engine
@@ -37,9 +37,10 @@ class Sequence:
         self.num_computed_tokens = 0
         # Prompt tokens found in the prefix cache at first admission (for metrics/tests).
         self.num_cached_tokens = 0
-        # KV blocks holding this sequence's tokens, in order. A list only grows (append); any
-        # other change assigns a new list (the runner's BlockTableRows relies on that).
-        self.block_table: list[int] = []
+        self.block_table: list[int] = []  # KV blocks holding this sequence's tokens, in order
+        # How many block_table entries the model runner holds (the scheduler sends it the
+        # rest: SchedulerOutput.block_updates); -1 while the runner has not seen the sequence.
+        self.runner_blocks = -1
         self.block_hashes: list[bytes] = []  # chained hashes of this sequence's full blocks
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -55,10 +56,6 @@ class Sequence:
     def num_output_tokens(self) -> int:
         """Generated tokens, pending ones included."""
         return self.num_tokens - self.num_prompt_tokens
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -59,12 +59,13 @@ def prefill_graph_sizes(max_tokens: int) -> list[int]:
 def graph_metadata(buffers: InputBuffers, num_seqs: int, num_tokens: int, max_seq_len: int,
                    kind: GraphKind) -> AttentionMetadata:
     """Metadata over the first rows of the buffers. No host copy of query_start_loc: in a
-    prefill graph every sequence goes through the mixed kernel."""
+    prefill graph every sequence goes through the mixed kernel (no leading decodes)."""
     dev = buffers.device
     return AttentionMetadata(
         query_start_loc=dev.query_start_loc[:num_seqs + 1], seq_lens=dev.seq_lens[:num_seqs],
         block_tables=dev.block_tables[:num_seqs], slot_mapping=dev.slot_mapping[:num_tokens],
         max_query_len=1 if kind != "prefill" else num_tokens, max_seq_len=max_seq_len,
+        num_leading_decodes=0 if kind == "prefill" else num_seqs,
         num_shared_prefix_blocks=dev.num_shared_prefix_blocks if kind == "cascade" else None)
 
 
@@ -81,18 +82,17 @@ class StepGraphs:
         self.outputs: dict[tuple[GraphShape, GraphKind], torch.Tensor] = {}
         self.capture_seconds = 0.0  # how long capture() took (reported by the benchmarks)
 
-    def padded_shape(self, num_new_tokens: list[int]) -> GraphShape | None:
-        """The graph a step (its sequences' new-token counts) runs in: for a decode-only step
-        the smallest captured batch size that holds it; for a step of prompt chunks the
-        smallest prefill token and row counts. None, to run eagerly: too big, or decodes at
-        the front of a mixed step. Those take the split-KV decode kernel eagerly; in a prefill
-        graph the mixed kernel would give each one program per KV head, streaming a long
-        context alone."""
-        num_seqs, num_tokens = len(num_new_tokens), sum(num_new_tokens)
-        if num_tokens == num_seqs:
+    def padded_shape(self, num_tokens: int, num_seqs: int, num_decodes: int) -> GraphShape | None:
+        """The graph a step runs in (its new tokens, its rows, and how many of them lead it
+        with one new token each: StepRows): for a decode-only step the smallest captured
+        batch size that holds it; for a step of prompt chunks the smallest prefill token and
+        row counts. None, to run eagerly: too big, or decodes at the front of a mixed step.
+        Those take the split-KV decode kernel eagerly; in a prefill graph the mixed kernel
+        would give each one program per KV head, streaming a long context alone."""
+        if num_decodes == num_seqs:
             size = next((s for s in self.decode_sizes if s >= num_seqs), None)
             return None if size is None else (size, size)
-        if num_new_tokens[0] == 1:
+        if num_decodes:
             return None
         tokens = next((s for s in self.prefill_sizes if s >= num_tokens), None)
         rows = next(r for r in self.prefill_rows if r >= num_seqs)

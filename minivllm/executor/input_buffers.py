@@ -19,6 +19,8 @@ from typing import Generic, TypeVar
 import numpy as np
 import torch
 
+from minivllm.executor.persistent_batch import SequenceState
+
 T = TypeVar("T")
 U = TypeVar("U")
 
@@ -63,37 +65,43 @@ def _field_specs(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> Ste
 
 class BlockTableRows:
     """One host set's block_tables rows, written row by row only where the row's sequence
-    or its table changed since this set last held it: a sequence's block-table list only
-    grows while it is the same list (Sequence.block_table), so a row that holds the same
-    list needs just its new entries. At long contexts a full copy of every row is hundreds
-    of block ids per sequence each step. Entries past a row's table are kept zero."""
+    or its table changed since this set last held it. A sequence's table changes by appends,
+    except when its entries are replaced (SequenceState.block_table_epoch counts those): a row
+    that holds the same sequence at the same epoch needs just the entries appended since. At
+    long contexts a full copy of every row is hundreds of block ids per sequence each step.
+    Entries past a row's table are kept zero."""
 
     def __init__(self, rows: np.ndarray) -> None:
         self.rows = rows
-        self._tables: list[list[int] | None] = [None] * len(rows)  # the list each row was written from
+        # The sequence (id, and epoch of its table) each row was written from, if any. Ids,
+        # not the states: a stale row does not keep a finished sequence's state alive.
+        self._seq_ids: list[int | None] = [None] * len(rows)
+        self._epochs = [0] * len(rows)
         self._lens = [0] * len(rows)  # entries written to each row (the rest of the row is 0)
 
-    def write(self, tables: list[list[int]]) -> None:
-        """Rows 0..len(tables)-1 := tables."""
-        rows, held, lens = self.rows, self._tables, self._lens
-        for i, table in enumerate(tables):
+    def write(self, states: list[SequenceState]) -> int:
+        """Rows 0..len(states)-1 := the states' block tables; returns the longest's length."""
+        rows, held, epochs, lens = self.rows, self._seq_ids, self._epochs, self._lens
+        for i, state in enumerate(states):
+            table = state.block_table
             n, written = len(table), lens[i]
-            if held[i] is table:
+            if held[i] == state.seq_id and epochs[i] == state.block_table_epoch:
                 if n > written:
                     rows[i, written:n] = table[written:]
             else:
                 rows[i, :n] = table
                 if written > n:
                     rows[i, n:written] = 0
-                held[i] = table
+                held[i], epochs[i] = state.seq_id, state.block_table_epoch
             lens[i] = n
+        return max(lens[:len(states)])
 
     def clear(self, start: int, stop: int) -> None:
         """Rows start..stop-1 := zeros (padding rows: empty sequences)."""
         for i in range(start, stop):
             if self._lens[i]:
                 self.rows[i, :self._lens[i]] = 0
-            self._tables[i], self._lens[i] = None, 0
+            self._seq_ids[i], self._lens[i] = None, 0
 
 
 @dataclass

@@ -1,7 +1,8 @@
-"""ModelRunner: owns the model and its KV cache; turns a scheduled batch into tensors,
-runs the forward pass and samples the next tokens. Its pieces live beside it: the KV
-cache's size and storage (kv_cache.py), a step's host inputs (step_inputs.py), the
-persistent input buffers (input_buffers.py) and the CUDA graphs (cuda_graphs.py).
+"""ModelRunner: owns the model and its KV cache; turns each SchedulerOutput into tensors,
+runs the forward pass and samples the next tokens. Its pieces live beside it: what it
+keeps of each sequence and a step's row order (persistent_batch.py), the KV cache's size
+and storage (kv_cache.py), a step's host inputs (step_inputs.py), the persistent input
+buffers (input_buffers.py) and the CUDA graphs (cuda_graphs.py).
 
 Under tensor parallelism every rank has a ModelRunner on its shard. Rank 0 prepares each
 step's host inputs (prepare_inputs) and ships them to the other ranks (executor/worker.py);
@@ -9,6 +10,7 @@ every rank then runs execute_model, whose collectives keep the ranks in step; on
 gets logits, and samples.
 """
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -20,16 +22,16 @@ from minivllm.attention.metadata import AttentionMetadata
 from minivllm.attention.torch_backend import TorchAttentionBackend
 from minivllm.config import EngineConfig
 from minivllm.distributed import broadcast_from_rank0, tp_rank, tp_size
-from minivllm.engine.scheduler import ScheduledBatch
-from minivllm.engine.sequence import Sequence
+from minivllm.engine.scheduler_output import NewSequenceData, SchedulerOutput
 from minivllm.executor.cuda_graphs import GraphShape, StepGraphs
 from minivllm.executor.input_buffers import InputBuffers
 from minivllm.executor.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_kv_blocks, release_kv_cache
+from minivllm.executor.persistent_batch import PersistentBatch, SequenceState, StepRows
 from minivllm.executor.step_inputs import CASCADE_MIN_SEQS, ModelInputs, StepInputs, prepare_step_inputs
 from minivllm.layers.attention import AttentionBackend
 from minivllm.layers.custom_op import use_triton_kernels
 from minivllm.layers.linear import choose_small_batch_kernels
-from minivllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
+from minivllm.layers.sampler import Sampler, SamplingMetadata
 from minivllm.loader import init_dummy_weights, load_weights
 from minivllm.models.registry import build_model
 from minivllm.sampling_params import SamplingParams
@@ -46,12 +48,23 @@ TokenLogprobs = dict[int, tuple[float, int]]
 
 @dataclass
 class StepHandle:
-    """A launched step: its sampled sequences and the host copies of its outputs, valid
-    once `done` has completed (None on CPU, where everything is synchronous)."""
+    """A launched step that samples: its sampled sequences, in the scheduler's order, and
+    the host copies of its outputs, valid once `done` has completed (None on CPU, where
+    everything is synchronous)."""
 
-    sampled_seqs: list[Sequence]
+    seq_ids: list[int]
+    states: list[SequenceState]  # collect appends each one's token
     host: list[torch.Tensor]  # sampled ids, then logprob ids, logprobs, ranks if asked
     done: "torch.cuda.Event | None"
+
+
+@dataclass(frozen=True, slots=True)
+class SampledTokens:
+    """A collected step: a row per sampled sequence, in the scheduler's order."""
+
+    seq_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # None where the sequence asked for none
 
 
 class OtherRanks(Protocol):
@@ -92,6 +105,9 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         self.backend = self._make_attention_backend()
         logger.info("Loaded weights in %.1f s", time.perf_counter() - start)
+        self.batch = PersistentBatch(self.device)  # the scheduler's sequences (rank 0)
+        # Ids of the start-up steps' made-up sequences: negative, never an engine's.
+        self._start_up_seq_ids = itertools.count(-1, -1)
         # The last step's sampled tokens on the device, and each sampled sequence's row there.
         self.last_sampled = torch.empty(0, dtype=torch.int64, device=self.device)
         self.last_sampled_rows: dict[int, int] = {}
@@ -104,8 +120,8 @@ class ModelRunner:
         self._sampled_host = [torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
                               for _ in range(2)]
         self._token_buffer = 0
-        # The last step's sampled sequences and their metadata, while it can be reused.
-        self._sampling_cache: tuple[list[Sequence], SamplingMetadata] | None = None
+        # The last step's sampled sequences (ids) and their metadata, while it can be reused.
+        self._sampling_cache: tuple[list[int], SamplingMetadata] | None = None
         self.graphs: StepGraphs | None = None
         if self.device.type == "cuda":
             self._compile_and_capture()
@@ -161,9 +177,9 @@ class ModelRunner:
         config = self.config
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        batch = self._largest_step()
-        self._allocate_kv_cache(sum(len(seq.block_table) for seq in batch.seqs))
-        self._run_step_and_sampler(batch)
+        step = self._largest_step()
+        self._allocate_kv_cache(sum(len(new.block_ids) for new in step.new_seqs))
+        self._run_step_and_sampler(step)
         torch.cuda.synchronize()
         # Weights and the step's working set; the throwaway cache is not part of it.
         peak = (torch.cuda.max_memory_allocated() - self._memory_baseline
@@ -177,29 +193,36 @@ class ModelRunner:
         logger.info("Profiled peak %.2f GiB; %.2f GiB left for the KV cache", peak / 2**30, budget / 2**30)
         return max(budget, 0)
 
-    def _largest_step(self, num_cache_blocks: int | None = None) -> ScheduledBatch:
+    def _largest_step(self, num_cache_blocks: int | None = None) -> SchedulerOutput:
         """The step with the most activations: max_num_batched_tokens prompt tokens in as few
         sequences as max_model_len allows (no step holds more than max_num_seqs sequences of
         at most max_model_len tokens), on blocks 0, 1, ...; wrapped around a cache of
         num_cache_blocks if given (the keys and values it writes are garbage in blocks no
-        sequence holds yet)."""
+        sequence holds yet). Its sequences are new to the runner; nothing samples."""
         config = self.config
         num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
         seq_len = min(config.max_model_len, num_tokens)
         blocks_per_seq = -(-seq_len // self.block_size)
-        batch = ScheduledBatch()
+        new_seqs, num_new_tokens = [], []
         for i in range(-(-num_tokens // seq_len)):
-            seq = Sequence("largest-step", 0, [0] * seq_len, SamplingParams())
             blocks = range(i * blocks_per_seq, (i + 1) * blocks_per_seq)
-            seq.block_table = [b % num_cache_blocks for b in blocks] if num_cache_blocks else list(blocks)
-            batch.add(seq, min(seq_len, num_tokens - i * seq_len), samples=False)
-        return batch
+            block_ids = [b % num_cache_blocks for b in blocks] if num_cache_blocks else list(blocks)
+            new_seqs.append(NewSequenceData(next(self._start_up_seq_ids), [0] * seq_len, SamplingParams(), None,
+                                            block_ids))
+            num_new_tokens.append(min(seq_len, num_tokens - i * seq_len))
+        num_seqs = len(new_seqs)
+        return SchedulerOutput([new.seq_id for new in new_seqs], num_new_tokens, [0] * num_seqs,
+                               [False] * num_seqs, new_seqs)
 
     @torch.inference_mode()
-    def _run_step_and_sampler(self, batch: ScheduledBatch) -> None:
-        """The batch's forward pass, then the sampler's largest working set: logits for
-        max_num_seqs rows, softmaxed and sorted (on rank 0). Outputs are discarded."""
-        inputs = self._upload(self.prepare_inputs(batch))
+    def _run_step_and_sampler(self, step: SchedulerOutput) -> None:
+        """A step of new sequences' forward pass, then the sampler's largest working set:
+        logits for max_num_seqs rows, softmaxed and sorted (on rank 0). Outputs are
+        discarded, and the sequences forgotten."""
+        self.update_states(step)
+        prepared = self.prepare_inputs(self.batch.rows(step))
+        self.update_states(SchedulerOutput(finished_seq_ids=step.seq_ids))
+        inputs = self._upload(prepared)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         logits = self.model.compute_logits(hidden[:1].expand(self.config.max_num_seqs, -1))
         if logits is not None:
@@ -226,9 +249,14 @@ class ModelRunner:
 
     # --- one step ---------------------------------------------------------------------------
 
-    def prepare_inputs(self, batch: ScheduledBatch, graph: GraphShape | None = None) -> StepInputs:
+    def update_states(self, out: SchedulerOutput) -> None:
+        """Take in what the scheduler says changed: new sequences, block-table entries,
+        finished sequences (PersistentBatch.update)."""
+        self.batch.update(out)
+
+    def prepare_inputs(self, rows: StepRows, graph: GraphShape | None = None) -> StepInputs:
         """Write the step into the next host buffer set (step_inputs.prepare_step_inputs)."""
-        return prepare_step_inputs(batch, self.buffers.next_host(), self.block_size, self.last_sampled_rows,
+        return prepare_step_inputs(rows, self.buffers.next_host(), self.block_size, self.last_sampled_rows,
                                    detect_cascade=self.config.kernels == "triton", graph=graph)
 
     def _upload(self, step: StepInputs) -> ModelInputs:
@@ -241,6 +269,7 @@ class ModelRunner:
             slot_mapping=dev.slot_mapping,
             max_query_len=step.max_query_len,
             max_seq_len=step.max_seq_len,
+            num_leading_decodes=step.num_decodes,
             query_start_loc_cpu=step.query_start_loc_cpu,
             seq_lens_cpu=step.seq_lens_cpu,
             num_shared_prefix_blocks=dev.num_shared_prefix_blocks if step.cascade else None,
@@ -283,66 +312,73 @@ class ModelRunner:
         self.execute_model(step)
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch) -> StepHandle:
-        """Queue the step's forward pass and sampling on the device; don't wait for them."""
-        batch = batch.longest_decodes_first()
-        graph = self.graphs.padded_shape(batch.num_new_tokens) if self.graphs else None
-        step = self.prepare_inputs(batch, graph)
+    def launch(self, out: SchedulerOutput) -> StepHandle | None:
+        """Take in the scheduler's changes (update_states), then queue the step's forward pass
+        and sampling on the device; don't wait for them. None when nothing samples."""
+        self.update_states(out)
+        if not out.seq_ids:
+            return None
+        rows = self.batch.rows(out)
+        graph = (self.graphs.padded_shape(rows.num_tokens, len(rows.states), rows.num_decodes)
+                 if self.graphs else None)
+        step = self.prepare_inputs(rows, graph)
         if self.workers is not None:
             self.workers.call("execute_shipped", step)
         logits = self.execute_model(step)
-        sampled_seqs = [seq for seq, samples in zip(batch.seqs, batch.samples) if samples]
-        if not sampled_seqs:
-            return StepHandle([], [], None)
-        out = self.sampler(logits, self._sampling_metadata(sampled_seqs))
+        sampled_ids = rows.sampled_ids
+        if not sampled_ids:
+            return None
+        sampled = self.sampler(logits, self._sampling_metadata(rows))
         # The next step reads these on the device, for sequences whose token is still pending.
-        self.last_sampled = out.sampled_token_ids
-        self.last_sampled_rows = {seq.seq_id: row for row, seq in enumerate(sampled_seqs)}
+        self.last_sampled = sampled.sampled_token_ids
+        self.last_sampled_rows = rows.sampled_row_of
         # Two pinned buffers in turn: a step's tokens are read after the next step is launched.
         self._token_buffer = 1 - self._token_buffer
-        host = [self._sampled_host[self._token_buffer][:len(sampled_seqs)]]
-        host[0].copy_(out.sampled_token_ids, non_blocking=True)
-        if out.logprobs is not None:
+        host = [self._sampled_host[self._token_buffer][:len(sampled_ids)]]
+        host[0].copy_(sampled.sampled_token_ids, non_blocking=True)
+        if sampled.logprobs is not None:
             host += [tensor.to("cpu", non_blocking=True)
-                     for tensor in (out.logprob_token_ids, out.logprobs, out.sampled_token_ranks)]
+                     for tensor in (sampled.logprob_token_ids, sampled.logprobs, sampled.sampled_token_ranks)]
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return StepHandle(sampled_seqs, host, done)
+        return StepHandle(sampled_ids, rows.sampled, host, done)
 
-    def collect(self, handle: StepHandle) -> tuple[list[Sequence], list[int], list[TokenLogprobs | None]]:
-        """Wait for a launched step: its sampled sequences, their tokens and logprobs."""
-        if not handle.sampled_seqs:
-            return [], [], []
+    def collect(self, handle: StepHandle) -> SampledTokens:
+        """Wait for a launched step: its sampled tokens and logprobs. Each token joins its
+        sequence's token ids here (the inputs of later steps, the history sampling reads)."""
         if handle.done is not None:
             handle.done.synchronize()
         token_ids = handle.host[0].tolist()
+        for state, token in zip(handle.states, token_ids):
+            state.token_ids.append(token)
         logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
         if len(handle.host) > 1:
             ids, values, ranks = (tensor.tolist() for tensor in handle.host[1:])
-            logprobs = self._logprob_dicts(handle.sampled_seqs, ids, values, ranks)
-        return handle.sampled_seqs, token_ids, logprobs
+            logprobs = self._logprob_dicts(handle.states, ids, values, ranks)
+        return SampledTokens(handle.seq_ids, token_ids, logprobs)
 
-    def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
-        """The sampling parameters of these rows, on the device. A step that samples the same
-        sequences as the last one, in the same order (a steady decode batch), reuses its
+    def _sampling_metadata(self, rows: StepRows) -> SamplingMetadata:
+        """The sampling parameters of the sampled rows, on the device. A step that samples the
+        same sequences as the last one, in the same order (a steady decode batch), reuses its
         metadata: a sequence's parameters never change, and what depends on its outputs
         (penalties, min_tokens still blocking) makes the metadata one step's only."""
-        if self._sampling_cache is not None and self._sampling_cache[0] == seqs:
+        if self._sampling_cache is not None and self._sampling_cache[0] == rows.sampled_ids:
             return self._sampling_cache[1]
-        meta = SamplingMetadata.build([_sampling_row(seq) for seq in seqs], self.vocab_size, self.device)
+        meta = SamplingMetadata.build([state.sampling_row() for state in rows.sampled], self.vocab_size,
+                                      self.device)
         reusable = meta.output_token_ids is None and meta.min_tokens_rows is None
-        self._sampling_cache = (seqs, meta) if reusable else None
+        self._sampling_cache = (rows.sampled_ids, meta) if reusable else None
         return meta
 
     @staticmethod
-    def _logprob_dicts(seqs: list[Sequence], ids: list[list[int]], values: list[list[float]],
+    def _logprob_dicts(states: list[SequenceState], ids: list[list[int]], values: list[list[float]],
                        sampled_ranks: list[int]) -> list[TokenLogprobs | None]:
         """Per sequence: the sampled token and its requested top-k, as id -> (logprob, rank)."""
         result: list[TokenLogprobs | None] = []
-        for seq, row_ids, row_values, sampled_rank in zip(seqs, ids, values, sampled_ranks):
-            k = seq.params.logprobs
+        for state, row_ids, row_values, sampled_rank in zip(states, ids, values, sampled_ranks):
+            k = state.params.logprobs
             if k is None:
                 result.append(None)
                 continue
@@ -351,10 +387,3 @@ class ModelRunner:
                 entries.setdefault(token, (value, rank))
             result.append(entries)
         return result
-
-
-def _sampling_row(seq: Sequence) -> SamplingRow:
-    """Token history is only copied for the rows whose sampling reads it."""
-    needs_history = seq.needs_token_history
-    return SamplingRow(seq.params, seq.prompt_token_ids if needs_history else (),
-                       seq.output_token_ids if needs_history else (), seq.generator)

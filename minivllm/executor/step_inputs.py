@@ -1,5 +1,6 @@
-"""A step's inputs: from a ScheduledBatch (decodes first: its docstring) to the rows of
-the persistent input buffers, and the metadata the model and kernels take."""
+"""A step's inputs: from its rows in the runner's order (persistent_batch.StepRows, decodes
+first) to the rows of the persistent input buffers, and the metadata the model and kernels
+take."""
 
 from dataclasses import dataclass
 
@@ -7,9 +8,9 @@ import numpy as np
 import torch
 
 from minivllm.attention.metadata import AttentionMetadata
-from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.executor.cuda_graphs import GraphKind, GraphShape
 from minivllm.executor.input_buffers import HostSet, StepFields
+from minivllm.executor.persistent_batch import StepRows
 
 # Cascade attention pays off when many decoding sequences share a long prefix; below
 # either threshold the plain decode kernel runs. (Estimates, not swept: W3's 256 sequences
@@ -27,6 +28,7 @@ class StepInputs:
     arrays: StepFields[np.ndarray]
     max_query_len: int
     max_seq_len: int
+    num_decodes: int  # the leading rows of one new token (StepRows)
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     graph: GraphShape | None  # run as the CUDA graph of this (tokens, sequence rows); None: eagerly
@@ -47,7 +49,7 @@ class ModelInputs:
     logits_indices: torch.Tensor  # rows of the hidden states to sample from
 
 
-def prepare_step_inputs(batch: ScheduledBatch, host: HostSet, block_size: int,
+def prepare_step_inputs(rows: StepRows, host: HostSet, block_size: int,
                         last_sampled_rows: dict[int, int], detect_cascade: bool,
                         graph: GraphShape | None = None) -> StepInputs:
     """Write the step into a host buffer set (host work only).
@@ -55,16 +57,16 @@ def prepare_step_inputs(batch: ScheduledBatch, host: HostSet, block_size: int,
     A sequence's newest token may still be pending (sampled by the step in flight, not yet
     read back): it is written as 0, and pending_dst/pending_src say where the upload copies
     it from that step's output on the device (last_sampled_rows: sequence id -> its row
-    there). detect_cascade: look for a prefix shared by every decode of the step (the decode
-    rows that lead it: all of a decode-only step).
+    there). detect_cascade: look for a prefix shared by every decode of the step (the
+    one-token rows that lead it: all of a decode-only step).
     graph: for a step run as the CUDA graph of that shape (StepGraphs.padded_shape), the rows
     past the batch are filled with harmless padding: tokens stored nowhere, sequences empty.
     """
     bs = block_size
     buf = host.arrays
-    num_seqs = len(batch)
-    num_new = np.array(batch.num_new_tokens, dtype=np.int64)
-    computed = np.array(batch.num_computed_tokens, dtype=np.int64)
+    states = rows.states
+    num_seqs = len(states)
+    num_new, computed = rows.num_new_tokens, rows.num_computed_tokens
     seq_lens = computed + num_new
     query_start_loc = buf.query_start_loc
     query_start_loc[0] = 0
@@ -77,56 +79,55 @@ def prepare_step_inputs(batch: ScheduledBatch, host: HostSet, block_size: int,
     # A sequence's inputs are its tokens computed .. seq_len. The known ones are copied for the
     # rows that have any (prompt chunks); the last input may still be pending (a decode's one
     # input, usually): written as 0, the upload copies it from the step in flight's output.
-    seqs = batch.seqs
-    known_end = np.minimum(seq_lens, [len(seq.token_ids) for seq in seqs])
+    known_end = np.minimum(seq_lens, [len(state.token_ids) for state in states])
     input_ids = buf.input_ids
     for i in np.flatnonzero(known_end > computed).tolist():
         start, end, dst = int(computed[i]), int(known_end[i]), int(query_start_loc[i])
-        input_ids[dst:dst + end - start] = seqs[i].token_ids[start:end]
+        input_ids[dst:dst + end - start] = states[i].token_ids[start:end]
     pending_rows = np.flatnonzero(known_end < seq_lens)
     num_pending = len(pending_rows)
     pending_dst = buf.pending_dst[:num_pending]
     pending_dst[:] = query_start_loc[pending_rows + 1] - 1  # each pending row's last input
     input_ids[pending_dst] = 0
-    buf.pending_src[:num_pending] = [last_sampled_rows[seqs[i].seq_id] for i in pending_rows.tolist()]
-    tables = [seq.block_table for seq in seqs]
-    host.block_tables.write(tables)  # only what changed since this host set last held them
+    buf.pending_src[:num_pending] = [last_sampled_rows[states[i].seq_id] for i in pending_rows.tolist()]
+    width = host.block_tables.write(states)  # only what changed since this host set last held them
     block_tables = buf.block_tables
-    width = max(map(len, tables))
     buf.slot_mapping[:num_tokens] = (
         block_tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs)
     buf.seq_lens[:num_seqs] = seq_lens
-    sampled = np.array(batch.samples, dtype=bool)
-    logits_indices = query_start_loc[1:num_seqs + 1][sampled] - 1
+    # The sampled rows' last tokens, in the scheduler's order (the order of the results).
+    logits_indices = query_start_loc[rows.sample_rows + 1] - 1
     buf.logits_indices[:len(logits_indices)] = logits_indices
+    num_decodes = rows.num_decodes
     shared_blocks = 0
     if detect_cascade:
-        num_decodes = batch.num_leading_decodes
         shared_blocks = shared_prefix_blocks(block_tables[:num_decodes], seq_lens[:num_decodes], bs)
         buf.num_shared_prefix_blocks[0] = shared_blocks
-    rows, tokens = num_seqs, num_tokens
+    used_rows, used_tokens = num_seqs, num_tokens
     if graph is not None:
-        tokens, rows = graph
-        pad_tokens, pad_rows = slice(num_tokens, tokens), slice(num_seqs, rows)
+        used_tokens, used_rows = graph
+        pad_tokens, pad_rows = slice(num_tokens, used_tokens), slice(num_seqs, used_rows)
         buf.input_ids[pad_tokens] = buf.positions[pad_tokens] = 0
         buf.slot_mapping[pad_tokens] = -1
         buf.seq_lens[pad_rows] = 0  # kernels skip empty rows
-        host.block_tables.clear(num_seqs, rows)
+        host.block_tables.clear(num_seqs, used_rows)
         # Empty sequences, one token each in a decode graph (the decode kernel's layout).
-        query_start_loc[num_seqs + 1:rows + 1] = (np.arange(num_tokens + 1, rows + 1)
-                                                  if num_tokens == num_seqs else num_tokens)
+        query_start_loc[num_seqs + 1:used_rows + 1] = (np.arange(num_tokens + 1, used_rows + 1)
+                                                       if num_tokens == num_seqs else num_tokens)
     # Rank 0 uploads whole block-table rows; the other ranks get only the columns in use
     # (the rest are zeros), which keeps long-context messages small.
     arrays = StepFields(
-        input_ids=buf.input_ids[:tokens], positions=buf.positions[:tokens], slot_mapping=buf.slot_mapping[:tokens],
-        query_start_loc=query_start_loc[:rows + 1], seq_lens=buf.seq_lens[:rows],
-        block_tables=block_tables[:rows, :width], logits_indices=buf.logits_indices[:len(logits_indices)],
-        pending_dst=buf.pending_dst[:num_pending], pending_src=buf.pending_src[:num_pending],
+        input_ids=buf.input_ids[:used_tokens], positions=buf.positions[:used_tokens],
+        slot_mapping=buf.slot_mapping[:used_tokens], query_start_loc=query_start_loc[:used_rows + 1],
+        seq_lens=buf.seq_lens[:used_rows], block_tables=block_tables[:used_rows, :width],
+        logits_indices=buf.logits_indices[:len(logits_indices)], pending_dst=buf.pending_dst[:num_pending],
+        pending_src=buf.pending_src[:num_pending],
         num_shared_prefix_blocks=buf.num_shared_prefix_blocks[:1 if shared_blocks else 0])
     return StepInputs(
         arrays=arrays,
         max_query_len=int(num_new.max()),
         max_seq_len=int(seq_lens.max()),
+        num_decodes=num_decodes,
         query_start_loc_cpu=query_start_loc[:num_seqs + 1].tolist(),
         seq_lens_cpu=seq_lens.tolist(),
         graph=graph,

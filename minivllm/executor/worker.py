@@ -1,11 +1,12 @@
 """Tensor-parallel worker processes (ranks 1..N-1), and rank 0's handle on them.
 
 Rank 0 runs the engine and its own shard; each worker runs a ModelRunner on its shard.
-For every step, rank 0 writes the ModelRunner method to call and its arguments (host-side
-arrays, never Sequence objects) into a shared-memory buffer and signals each worker's
-event; the workers make the same call, so every rank issues the same collectives in the
-same order. Start-up needs no messages: every rank's ModelRunner loads, profiles,
-allocates its KV cache and captures its CUDA graphs in the same order by construction.
+For every step, rank 0 writes the ModelRunner method to call and its arguments (the step's
+prepared host-side arrays, StepInputs: only rank 0 keeps the sequences' state) into a
+shared-memory buffer and signals each worker's event; the workers make the same call, so
+every rank issues the same collectives in the same order. Start-up needs no messages: every
+rank's ModelRunner loads, profiles, allocates its KV cache and captures its CUDA graphs in
+the same order by construction.
 """
 
 import atexit

@@ -1,0 +1,66 @@
+"""SchedulerOutput: what the scheduler tells the model runner about one step (vLLM v1's seam).
+
+Plain data, nothing of the engine's live objects: the scheduler builds it and the runner
+reads it, and neither side reaches into the other. The runner keeps what it needs of each
+sequence between steps (executor/persistent_batch.py: token ids, block table, sampling
+parameters, generator) and appends the tokens it samples itself, so a step carries only
+what changed: sequences the runner has not seen yet, block-table entries it lacks, and
+sequences it may forget. A preempted sequence keeps its state in the runner (its tokens,
+its generator's position): admitted again, it comes back as a block update from entry 0.
+"""
+
+from dataclasses import dataclass, field
+
+from minivllm.sampling_params import SamplingParams
+
+# (seq_id, start, block ids): the sequence's block-table entries from index `start` on are
+# these (entries past them dropped). Appending a block is (seq_id, len(table), [block]);
+# a preempted sequence's new table, admitted again, is (seq_id, 0, table).
+BlockUpdate = tuple[int, int, list[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class NewSequenceData:
+    """A sequence the runner sees for the first time: what it keeps of it until the
+    sequence is in a step's finished_seq_ids."""
+
+    seq_id: int
+    # The prompt, which nothing changes (the request's list): the runner copies it into the
+    # token list it grows with the sequence's sampled tokens.
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    # Seeds the sequence's own torch.Generator (which the runner creates), so that a seeded
+    # sample does not depend on the rest of the batch; None: the default generator.
+    seed: int | None
+    block_ids: list[int]  # its block table
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """One step, a row per scheduled sequence (the columns seq_ids .. samples), in the
+    scheduler's order: the running sequences, then those admitted this step.
+
+    The runner may run the rows in any order, but it returns the sampled rows' results in
+    this one.
+
+    Room to grow without reaching around it: speculative decoding would add a column of
+    draft tokens per row (the runner verifies them and returns the accepted ones, so each
+    row's result becomes a list), and structured outputs a grammar bitmask per sampled row,
+    both built by the scheduler from its own state.
+    """
+
+    seq_ids: list[int] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens computed this step
+    # Tokens each row had computed before this step: where its new tokens start (0, or the end
+    # of a prefix-cache hit, for a sequence admitted again after a preemption).
+    num_computed_tokens: list[int] = field(default_factory=list)
+    # Whether the step samples the row's next token (its new tokens reach its last token,
+    # known or still pending on the device).
+    samples: list[bool] = field(default_factory=list)
+    new_seqs: list[NewSequenceData] = field(default_factory=list)  # first sight
+    block_updates: list[BlockUpdate] = field(default_factory=list)
+    # Sequences finished (or aborted) since the last step that the runner has seen: it drops
+    # their state. Tokens of theirs still in flight are collected and ignored.
+    finished_seq_ids: list[int] = field(default_factory=list)
+    # How many of the last rows came from the waiting queue this step (admitted).
+    num_admitted: int = 0

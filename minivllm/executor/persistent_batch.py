@@ -1,0 +1,154 @@
+"""The runner's side of the scheduler seam (engine/scheduler_output.py): what it keeps of
+each sequence between steps, and each step's rows in the order it runs them.
+
+Only rank 0 keeps these: it prepares every step's inputs and samples; the other ranks of a
+tensor-parallel engine get the prepared inputs (executor/worker.py).
+"""
+
+from dataclasses import dataclass, replace
+from itertools import compress
+
+import numpy as np
+import torch
+
+from minivllm.engine.scheduler_output import SchedulerOutput
+from minivllm.layers.sampler import SamplingRow
+from minivllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class SequenceState:
+    """One sequence as the runner knows it, from its first step until it finishes
+    (preemptions included)."""
+
+    seq_id: int
+    # The prompt, then each token sampled for the sequence as it is collected: the inputs of
+    # later steps (prompt chunks, recomputation after a preemption, decodes whose token is
+    # no longer pending) and the history that penalties read.
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    needs_token_history: bool  # params.needs_token_history, read once
+    generator: torch.Generator | None  # seeded sequences' own random stream
+    block_table: list[int]
+    # Counts changes to block_table other than appends: a host row written at an older epoch
+    # is rewritten whole, one at this epoch gets only the entries appended since
+    # (input_buffers.BlockTableRows).
+    block_table_epoch: int = 0
+
+    def update_block_table(self, start: int, block_ids: list[int]) -> None:
+        """Entries from `start` on := block_ids (SchedulerOutput.block_updates)."""
+        table = self.block_table
+        if start < len(table):
+            del table[start:]
+            self.block_table_epoch += 1
+        table += block_ids
+
+    def sampling_row(self) -> SamplingRow:
+        """The sampler's row; the token history is copied only where sampling reads it."""
+        if not self.needs_token_history:
+            return SamplingRow(self.params, (), (), self.generator)
+        split = self.num_prompt_tokens
+        return SamplingRow(self.params, self.token_ids[:split], self.token_ids[split:], self.generator)
+
+
+@dataclass(slots=True)
+class StepRows:
+    """A step's rows in the order the runner runs them (StepRows.order): the rows of one new
+    token (decodes) first, longest context first; then the others in the scheduler's order.
+
+    Decodes first: the Triton attention backend sends the leading one-token rows of a mixed
+    step to the split-KV decode kernel and the rest to the mixed kernel (there a decode would
+    occupy a whole query tile), the torch backend batches them into one call, and
+    StepGraphs.padded_shape runs a step that mixes them with prompt chunks eagerly. Longest
+    first: the decode kernel starts its programs in row order, so no long context starts
+    last and sets the launch's tail.
+    """
+
+    out: SchedulerOutput  # the step
+    source_rows: np.ndarray  # row i is the scheduler's row source_rows[i]
+    states: list[SequenceState]
+    num_new_tokens: np.ndarray  # int64, per row
+    num_computed_tokens: np.ndarray  # int64, per row: where its new tokens start
+    num_decodes: int  # the leading rows of one new token
+    # The rows whose next token the step samples, in the scheduler's order (the order of the
+    # sampled logits and of the step's results); their sequence ids and states, likewise; and
+    # each one's place in that order (its row of the step's sampled tokens), by id.
+    sample_rows: np.ndarray
+    sampled_ids: list[int]
+    sampled: list[SequenceState]
+    sampled_row_of: dict[int, int]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.num_new_tokens.sum())
+
+    @classmethod
+    def order(cls, states: list[SequenceState], out: SchedulerOutput) -> "StepRows":
+        """The rows of `out` (states: its rows' states, in its order), decodes first."""
+        num_new = np.array(out.num_new_tokens, dtype=np.int64)
+        computed = np.array(out.num_computed_tokens, dtype=np.int64)
+        one_token = num_new == 1
+        decodes = np.flatnonzero(one_token)
+        decodes = decodes[np.argsort(-computed[decodes], kind="stable")]  # ties keep their order
+        order = np.concatenate((decodes, np.flatnonzero(~one_token)))
+        row_of = np.empty_like(order)
+        row_of[order] = np.arange(len(order))
+        samples = out.samples
+        sampled_ids = list(compress(out.seq_ids, samples))
+        return cls(out=out, source_rows=order, states=[states[i] for i in order.tolist()],
+                   num_new_tokens=num_new[order], num_computed_tokens=computed[order], num_decodes=len(decodes),
+                   sample_rows=row_of[np.array(samples, dtype=bool)], sampled_ids=sampled_ids,
+                   sampled=list(compress(states, samples)),
+                   sampled_row_of=dict(zip(sampled_ids, range(len(sampled_ids)))))
+
+    def same_rows(self, out: SchedulerOutput) -> bool:
+        """Whether `out` has this step's rows, in the same order, as many new tokens each and
+        sampling the same ones: a steady batch, whose order holds (each context grew by its
+        row's new tokens, one for each decode, so the decodes keep their order by length)."""
+        last = self.out
+        return (out.seq_ids == last.seq_ids and out.num_new_tokens == last.num_new_tokens
+                and out.samples == last.samples)
+
+    def next_step(self, out: SchedulerOutput) -> "StepRows":
+        """The rows of `out`, a step of the same rows (same_rows): only their computed counts
+        change."""
+        computed = np.array(out.num_computed_tokens, dtype=np.int64)
+        return replace(self, out=out, num_computed_tokens=computed[self.source_rows])
+
+
+class PersistentBatch:
+    """The sequences the runner holds, by id, kept up to date from each SchedulerOutput."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device  # where seeded sequences' generators live (the sampler's device)
+        self.states: dict[int, SequenceState] = {}
+        self._last_rows: StepRows | None = None
+
+    def update(self, out: SchedulerOutput) -> None:
+        """Forget the finished sequences, take in the new ones, apply block-table updates."""
+        states = self.states
+        for seq_id in out.finished_seq_ids:
+            del states[seq_id]
+        for new in out.new_seqs:
+            generator = None
+            if new.seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(new.seed)
+            # Copies: the runner grows both lists.
+            states[new.seq_id] = SequenceState(
+                new.seq_id, list(new.prompt_token_ids), len(new.prompt_token_ids), new.params,
+                new.params.needs_token_history, generator, list(new.block_ids))
+        for seq_id, start, block_ids in out.block_updates:
+            states[seq_id].update_block_table(start, block_ids)
+
+    def rows(self, out: SchedulerOutput) -> StepRows:
+        """The step's rows, in the runner's order (after update). A steady batch (the last
+        step's rows again: decodes, most steps) keeps the last step's order, and the work of
+        finding it: a few list comparisons instead of a pass over the rows."""
+        last = self._last_rows
+        if last is not None and last.same_rows(out):
+            rows = last.next_step(out)
+        else:
+            rows = StepRows.order(list(map(self.states.__getitem__, out.seq_ids)), out)
+        self._last_rows = rows
+        return rows
