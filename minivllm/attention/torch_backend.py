@@ -103,7 +103,7 @@ class TorchAttentionBackend:
             # as that many query rows, so that the keys are read once per KV head.
             out = F.scaled_dot_product_attention(queries.view(call.num_seqs, num_kv_heads, -1, head_dim), k, v,
                                                  attn_mask=call.mask, scale=scale)
-            return out.view(-1, num_heads, head_dim)
+            return out.reshape(-1, num_heads, head_dim)  # (CUDA SDPA may return another layout)
         out = F.scaled_dot_product_attention(queries.transpose(0, 1)[None], k, v, attn_mask=call.mask,
                                              scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
