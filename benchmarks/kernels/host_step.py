@@ -59,7 +59,7 @@ def main() -> None:
     from minivllm.layers.sampler import Sampler
     from minivllm.local_models import build_tiny_model
 
-    Attention.attend = lambda self, q, meta: q.clone()  # the device's work, not the host's
+    Attention.forward = lambda self, positions, q, k, v, meta: q.clone()  # the device's work, not the host's
     for owner, name, label in [(LLMEngine, "step", "step"), (Scheduler, "schedule", "schedule"),
                                (ModelRunner, "prepare_inputs", "prepare_inputs"),
                                (ModelRunner, "_sampling_metadata", "sampling_metadata"),
