@@ -1,12 +1,16 @@
 """SamplingParams: how to pick each next token and when to stop (vLLM's names and defaults)."""
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any, NoReturn
 
 # Below this temperature sampling is treated as greedy, as in vLLM.
 GREEDY_EPSILON = 1e-5
+
+# logit_bias values are clamped to OpenAI's documented range, as vLLM does.
+MAX_ABS_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -28,6 +32,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Added to a token's logit (clamped to [-100, 100]) before penalties and temperature.
+    logit_bias: dict[int, float] | None = None
+    # Every other token is masked out (-inf) before anything else edits the logits.
+    allowed_token_ids: list[int] | None = None
     # Filled in by the engine from the tokenizer / generation config: EOS and friends.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -88,6 +96,42 @@ class SamplingParams:
             fail(f"logprobs must be >= 0, got {self.logprobs}.")
         if any(not s for s in self.stop):
             fail("stop strings must not be empty.")
+        self._validate_logit_bias(fail)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, Integral)
+                                                         for t in ids):
+                fail(f"allowed_token_ids must be a list of token ids (integers), got {ids!r}.")
+            if not ids:
+                fail("allowed_token_ids must not be empty: give at least one token id, or leave it out.")
+            self.allowed_token_ids = [int(t) for t in ids]
+
+    def _validate_logit_bias(self, fail: Callable[[str], NoReturn]) -> None:
+        """Keys to ints (vLLM also takes integer strings, as JSON gives them), values finite and
+        clamped to [-100, 100]."""
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            fail(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}.")
+        bias: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            token = _token_id(key)
+            if token is None:
+                fail(f"logit_bias keys must be token ids (integers), got {key!r}.")
+            if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+                fail(f"logit_bias values must be finite numbers, got {value!r} for token {token}.")
+            bias[token] = min(MAX_ABS_LOGIT_BIAS, max(-MAX_ABS_LOGIT_BIAS, float(value)))
+        self.logit_bias = bias
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError naming the first field with a token id outside [0, vocab_size): only the
+        engine knows the vocabulary, so this runs where requests are added."""
+        for label, ids in (("stop_token_ids", self.stop_token_ids or ()),
+                           ("logit_bias keys", self.logit_bias or ()),
+                           ("allowed_token_ids", self.allowed_token_ids or ())):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"SamplingParams: {label} {bad[:5]} are outside the vocabulary [0, {vocab_size}).")
 
     @property
     def has_penalties(self) -> bool:
@@ -98,6 +142,20 @@ class SamplingParams:
     def needs_token_history(self) -> bool:
         """Sampling reads the sequence's tokens so far (penalties, min_tokens)."""
         return self.has_penalties or self.min_tokens > 0
+
+
+def _token_id(key: object) -> int | None:
+    """A logit_bias key as a token id: an integer, or a string holding one; None otherwise."""
+    if isinstance(key, bool):
+        return None
+    if isinstance(key, Integral):
+        return int(key)
+    if isinstance(key, str):
+        try:
+            return int(key)
+        except ValueError:
+            return None
+    return None
 
 
 def _listed(value: object) -> Any:

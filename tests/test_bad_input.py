@@ -41,6 +41,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     ({"stop_token_ids": 5}, "stop_token_ids must be a list of token ids .integers., got 5"),
     ({"stop": [3]}, "stop must be a string or a list of strings"),
     ({"stop": 5}, "stop must be a string or a list of strings, got 5"),
+    ({"logit_bias": {3: float("inf")}}, "logit_bias values must be finite numbers, got inf for token 3"),
+    ({"logit_bias": {3: float("nan")}}, "logit_bias values must be finite numbers, got nan"),
+    ({"logit_bias": {"x": 1.0}}, "logit_bias keys must be token ids .integers., got 'x'"),
+    ({"logit_bias": [3]}, "logit_bias must be a dict of token id -> bias"),
+    ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),
+    ({"allowed_token_ids": ["a"]}, "allowed_token_ids must be a list of token ids"),
 ])
 def test_invalid_sampling_params_name_field_and_value(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -72,6 +78,23 @@ def test_stop_token_ids_outside_the_vocabulary(llm: LLM) -> None:
     with pytest.raises(ValueError, match=r"stop_token_ids \[99999\] are outside the vocabulary"):
         llm.generate("hello", SamplingParams(stop_token_ids=[99999]), use_tqdm=False)
     _assert_clean_and_serving(llm)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"logit_bias": {5: 1.0, 99999: 2.0}}, r"logit_bias keys \[99999\] are outside the vocabulary"),
+    ({"logit_bias": {-1: 2.0}}, r"logit_bias keys \[-1\] are outside the vocabulary"),
+    ({"allowed_token_ids": [4, 99999]}, r"allowed_token_ids \[99999\] are outside the vocabulary"),
+])
+def test_logit_bias_and_allowed_ids_outside_the_vocabulary(llm: LLM, kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.generate("hello", SamplingParams(**kwargs), use_tqdm=False)
+    _assert_clean_and_serving(llm)
+
+
+def test_logit_bias_keys_become_ints_and_values_are_clamped() -> None:
+    params = SamplingParams(logit_bias={"7": 500, np.int64(8): -1e9, 9: 0.5})
+    assert params.logit_bias == {7: 100.0, 8: -100.0, 9: 0.5}
+    assert all(type(k) is int for k in params.logit_bias)
 
 
 def test_no_prompts_is_no_outputs(llm: LLM) -> None:

@@ -200,6 +200,33 @@ def test_eos_stops_unless_ignored(model_dir: str) -> None:
     assert eos not in held.token_ids and len(held.token_ids) == 8
 
 
+def test_logit_bias_forces_a_token_and_allowed_ids_restrict(llm: LLM) -> None:
+    """A +100 bias wins every greedy step (across steady decode steps, which reuse the step's
+    sampling metadata); allowed_token_ids keeps greedy and random rows to their set."""
+    prompt = {"prompt_token_ids": random_prompt(7, seed=10)}
+    forced = llm.generate(prompt, greedy(8, logit_bias={123: 100.0}), use_tqdm=False)[0].outputs[0]
+    assert list(forced.token_ids) == [123] * 8
+    allowed = [17, 250]
+    for params in (greedy(8, allowed_token_ids=allowed),
+                   SamplingParams(temperature=1.5, max_tokens=12, ignore_eos=True, seed=3,
+                                  allowed_token_ids=allowed)):
+        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == params.max_tokens and set(out.token_ids) <= set(allowed)
+
+
+def test_bias_and_allowed_ids_do_not_leak_into_other_rows(llm: LLM) -> None:
+    prompts = [{"prompt_token_ids": random_prompt(n, seed=20 + n)} for n in (4, 9, 13, 6)]
+    plain = [greedy(10), SamplingParams(temperature=0.9, top_k=20, seed=5, max_tokens=10, ignore_eos=True)]
+    alone = llm.generate(prompts[:2], plain, use_tqdm=False)
+    special = [greedy(10, logit_bias={5: 100.0, 6: -100.0}), greedy(10, allowed_token_ids=[8, 9])]
+    mixed = llm.generate([prompts[2], prompts[0], prompts[3], prompts[1]],
+                         [special[0], plain[0], special[1], plain[1]], use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in (mixed[1], mixed[3])] == \
+        [list(o.outputs[0].token_ids) for o in alone]
+    assert list(mixed[0].outputs[0].token_ids) == [5] * 10
+    assert set(mixed[2].outputs[0].token_ids) <= {8, 9}
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"temperature": -1.0}, "temperature"),
     ({"top_p": 0.0}, "top_p"),

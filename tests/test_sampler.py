@@ -496,3 +496,73 @@ def test_metadata_float_fields() -> None:
     assert meta.min_p.tolist() == pytest.approx([0.0, 0.1])
     assert meta.greedy_mask.tolist() == [True, False]
     assert math.isclose(meta.min_p[1].item(), 0.1, rel_tol=1e-6)
+
+
+# --- logit_bias and allowed_token_ids --------------------------------------------------
+
+def test_logit_bias_moves_the_argmax_as_logits_plus_bias() -> None:
+    """Greedy rows take the argmax of logits + bias (keys may repeat across rows); a plain row
+    in the same batch keeps its own logits exactly."""
+    logits = random_logits(4, seed=20)
+    biases: list[dict[int, float]] = [{3: 30.0}, {3: -30.0, 7: 2.5, int(logits[1].argmax()): -4.0}, {},
+                                      {63: 0.75}]
+    params = [SamplingParams(temperature=0.0, logit_bias=b or None) for b in biases]
+    meta = build(make_rows(params))
+    assert meta.edits_logits and meta.logit_bias_rows is not None
+    expected = logits.clone()
+    for i, bias in enumerate(biases):
+        for token, value in bias.items():
+            expected[i, token] += value
+    edited = Sampler().penalised_logits(logits, meta)
+    assert torch.equal(edited, expected)
+    assert torch.equal(Sampler()(logits, meta).sampled_token_ids, expected.argmax(-1))
+    assert torch.equal(edited[2], logits[2])
+
+
+def test_allowed_token_ids_with_bias_penalties_temperature_and_top_k(sampler: Sampler) -> None:
+    """vLLM's order: the allowed-ids mask, then bias, then penalties, then temperature and top-k;
+    greedy and random rows only ever pick allowed tokens."""
+    allowed = [[3, 5, 7], [10, 11, 12, 13], [0, 63], [2, 40]]
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=allowed[0], presence_penalty=1.5),
+              SamplingParams(temperature=0.7, top_k=2, allowed_token_ids=allowed[1], logit_bias={12: 3.0}),
+              SamplingParams(temperature=1.3, allowed_token_ids=allowed[2], frequency_penalty=0.5,
+                             logit_bias={63: -1.0, 5: 50.0}),
+              SamplingParams(temperature=5.0, allowed_token_ids=allowed[3])]
+    prompts = [[1, 2], [3], [4], [5]]
+    outputs = [[5, 5], [], [63, 1], []]
+    logits = random_logits(len(params), seed=21)
+    meta = build(make_rows(params, prompts, outputs))
+    processed = sampler.processed_logits(logits, meta)
+    for i, p in enumerate(params):
+        row = torch.full((V,), -INF)
+        row[allowed[i]] = logits[i, allowed[i]]
+        for token, value in (p.logit_bias or {}).items():
+            row[token] += value
+        row = reference_penalties(row, p, prompts[i], outputs[i])
+        if p.temperature > 0:
+            row = row / p.temperature
+        if p.top_k:
+            row[sorted(set(range(V)) - ref_top_k(row, p.top_k))] = -INF
+        torch.testing.assert_close(processed[i], row, rtol=1e-6, atol=1e-6)
+    assert kept(processed[2]) == {0, 63}  # the bias on 5 does not lift a masked-out token
+    steps = 5 if sampler.gumbel_max_sample.uses_triton else 200
+    seen: list[set[int]] = [set() for _ in params]
+    for _ in range(steps):
+        for i, token in enumerate(sampler(logits, meta).sampled_token_ids.tolist()):
+            seen[i].add(token)
+    assert seen[0] == {int(processed[0].argmax())}
+    for i in range(1, len(params)):
+        assert seen[i] <= set(allowed[i]), (i, seen[i])
+    if not sampler.gumbel_max_sample.uses_triton:
+        assert seen[3] == set(allowed[3])  # temperature 5 over two allowed tokens: both come up
+
+
+def test_no_bias_or_mask_tensors_without_them() -> None:
+    meta = build(make_rows([SamplingParams(temperature=0.0), SamplingParams(temperature=0.8)]))
+    assert meta.logit_bias_rows is None and meta.logit_bias_values is None
+    assert meta.allowed_rows is None and meta.disallowed_mask is None
+    assert not meta.edits_logits
+    meta = build(make_rows([SamplingParams(), SamplingParams(allowed_token_ids=[4]), SamplingParams()]))
+    assert meta.allowed_rows is not None and meta.allowed_rows.tolist() == [1]
+    assert meta.disallowed_mask is not None and meta.disallowed_mask.shape == (1, V)
+    assert meta.logit_bias_rows is None

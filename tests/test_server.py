@@ -313,6 +313,36 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server: RemoteServer,
     server.wait_idle()
 
 
+def test_logit_bias_and_allowed_token_ids(server: RemoteServer, offline: LLM) -> None:
+    """logit_bias (string keys, as OpenAI's JSON has them) forces a token, as offline; vLLM's
+    allowed_token_ids restricts chat; bad keys or ids are a 400 naming the field."""
+    client = server.client()
+    forced = offline.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                         logit_bias={123: 100.0}), use_tqdm=False)[0].outputs[0]
+    assert list(forced.token_ids) == [123] * 4
+    completion = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4, temperature=0,
+                                           logit_bias={"123": 100}, extra_body=NO_EOS)
+    assert completion.choices[0].text == forced.text
+    allowed = [17, 250]
+    only = offline.generate(PROMPTS[2], SamplingParams(temperature=1.0, seed=4, max_tokens=6, ignore_eos=True,
+                                                       allowed_token_ids=allowed), use_tqdm=False)[0].outputs[0]
+    assert set(only.token_ids) <= set(allowed)
+    completion = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=6, seed=4,
+                                           extra_body={**NO_EOS, "allowed_token_ids": allowed})
+    assert completion.choices[0].text == only.text
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, logit_bias={"250": 100}, extra_body=NO_EOS)
+    assert chat.choices[0].message.content == offline.llm_engine.tokenizer.decode([250] * 3)
+    for body, param, fragment in [({"logit_bias": {"x": 5}}, "logit_bias", "logit_bias keys must be token ids"),
+                                  ({"logit_bias": {"99999": 5}}, "logit_bias", "outside the vocabulary"),
+                                  ({"allowed_token_ids": []}, "allowed_token_ids", "must not be empty"),
+                                  ({"allowed_token_ids": [3, 99999]}, "allowed_token_ids", "outside the vocabulary")]:
+        with pytest.raises(openai.BadRequestError, match=fragment) as error:
+            client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body=body)
+        assert error.value.param == param
+    server.wait_idle()
+
+
 def test_bad_streaming_request_is_refused_before_the_stream_starts(server: RemoteServer) -> None:
     # A bad request is refused before the stream starts: a plain 400, no event stream.
     response = httpx.post(f"{server.url}/v1/completions",

@@ -221,7 +221,8 @@ _WRONG_VALUES: dict[str, list[Any]] = {
     "min_tokens": [-1, 10**6, "2"],
     "echo": ["yes"],
     "best_of": [3, "x"],
-    "logit_bias": [{"1": 5}, 5],
+    "logit_bias": [{"x": 5}, {"1": "a"}, {"1": float("inf")}, {str(10**9): 5}, 5],
+    "allowed_token_ids": [[], ["x"], [10**9], [-1], 5],
     "top_logprobs": [2, 50, "x"],
     "tools": [[{"type": "function", "function": {"name": "f"}}], 5],
     "response_format": [{"type": "json_object"}, 5],
@@ -232,7 +233,8 @@ _WRONG_VALUES: dict[str, list[Any]] = {
 }
 _COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                       "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
-                      "stream", "stream_options", "ignore_eos", "min_tokens", "echo", "best_of", "logit_bias"]
+                      "stream", "stream_options", "ignore_eos", "min_tokens", "echo", "best_of", "logit_bias",
+                      "allowed_token_ids"]
 _CHAT_FIELDS = [f for f in _COMPLETION_FIELDS if f not in ("prompt", "logprobs", "echo")] + [
     "messages", "top_logprobs", "tools", "response_format", "chat_template_kwargs", "chat_template",
     "continue_final_message", "add_generation_prompt"]

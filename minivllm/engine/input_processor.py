@@ -83,9 +83,7 @@ class InputProcessor:
             raise ValueError(f"Prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size}).")
         if params.logprobs is not None and params.logprobs > vocab_size:
             raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab_size}.")
-        bad_stops = [t for t in params.stop_token_ids or () if not 0 <= t < vocab_size]
-        if bad_stops:
-            raise ValueError(f"stop_token_ids {bad_stops[:5]} are outside the vocabulary [0, {vocab_size}).")
+        params.check_vocab(vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer, which skip_tokenizer_init=True leaves out: "
                              "use stop_token_ids instead.")

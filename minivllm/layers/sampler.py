@@ -3,10 +3,12 @@
 One step, for a batch of B rows of logits [B, V]:
 
 1. logprobs, when any row asks, come from the RAW logits (log_softmax before anything below).
-2. min_tokens: until a row has min_tokens outputs, its stop tokens (and EOS) are set to -inf.
-3. penalties: repetition (prompt or output tokens), frequency and presence (output tokens).
-4. greedy rows (temperature ~ 0) take the argmax of the penalised logits.
-5. random rows: with min_p, top_k or top_p, divide by temperature and set the filtered-out
+2. allowed_token_ids: every other token of the row is set to -inf.
+3. min_tokens: until a row has min_tokens outputs, its stop tokens (and EOS) are set to -inf.
+4. logit_bias: each biased token's value is added to its logit.
+5. penalties: repetition (prompt or output tokens), frequency and presence (output tokens).
+6. greedy rows (temperature ~ 0) take the argmax of the penalised logits.
+7. random rows: with min_p, top_k or top_p, divide by temperature and set the filtered-out
    tokens to -inf; then sample with the Gumbel-max trick: argmax(logits + T * Gumbel noise)
    (T = 1 once divided), the same as argmax(logits / T + noise), is a sample from
    softmax(logits / T), with no softmax computed (`GumbelMaxSample`). With the Triton kernels
@@ -16,7 +18,7 @@ One step, for a batch of B rows of logits [B, V]:
    torch (`gumbel_noise`). A seeded row draws its randomness from its own generator, so its
    tokens do not depend on what else is in the batch or where its row is.
 
-Steps 2, 3 and the filters work on a float32 copy of the logits; a step that needs none of
+Steps 2 to 5 and the filters work on a float32 copy of the logits; a step that needs none of
 them reads the model's logits as they are (the caller's tensor is never modified).
 Nothing loops over the vocabulary in Python; the only Python loops are over rows when
 building the metadata and over seeded rows for their generators.
@@ -88,6 +90,14 @@ class SamplingMetadata:
     min_tokens_rows: torch.Tensor | None  # [M] int64
     min_tokens_token_ids: torch.Tensor | None  # [M] int64
 
+    # logit_bias: one (row, token, value) triple per biased token of every row.
+    logit_bias_rows: torch.Tensor | None  # [K] int64
+    logit_bias_token_ids: torch.Tensor | None  # [K] int64
+    logit_bias_values: torch.Tensor | None  # [K] float32
+    # allowed_token_ids: the rows that have it, and per such row the tokens to block.
+    allowed_rows: torch.Tensor | None  # [A] int64
+    disallowed_mask: torch.Tensor | None  # [A, V] bool, True = set to -inf
+
     generators: dict[int, torch.Generator]  # row -> generator, seeded random rows only
     max_num_logprobs: int | None  # max over rows of params.logprobs; None: nobody asks
 
@@ -99,6 +109,7 @@ class SamplingMetadata:
     def edits_logits(self) -> bool:
         """Whether any step writes into the logits (then on a float32 copy)."""
         return (self.min_tokens_rows is not None or self.output_token_ids is not None
+                or self.logit_bias_rows is not None or self.allowed_rows is not None
                 or self.has_filters)
 
     @classmethod
@@ -154,6 +165,12 @@ class SamplingMetadata:
                 vocab_size), device)
 
         min_rows, min_tokens = _min_tokens_pairs(rows, vocab_size)
+        bias_rows = bias_ids = bias_values = allowed_rows = disallowed = None
+        # Both are static per sequence, so they survive the reuse of a steady batch's metadata.
+        if any(p.logit_bias for p in params):
+            bias_rows, bias_ids, bias_values = _logit_bias_triples(params)
+        if any(p.allowed_token_ids is not None for p in params):
+            allowed_rows, disallowed = _disallowed_mask(params, vocab_size)
 
         return cls(
             vocab_size=vocab_size,
@@ -173,6 +190,11 @@ class SamplingMetadata:
             repetition_penalty=device_floats[5] if use_repetition else None,
             min_tokens_rows=None if min_rows is None else _to_device(min_rows, device),
             min_tokens_token_ids=None if min_tokens is None else _to_device(min_tokens, device),
+            logit_bias_rows=None if bias_rows is None else _to_device(bias_rows, device),
+            logit_bias_token_ids=None if bias_ids is None else _to_device(bias_ids, device),
+            logit_bias_values=None if bias_values is None else _to_device(bias_values, device),
+            allowed_rows=None if allowed_rows is None else _to_device(allowed_rows, device),
+            disallowed_mask=None if disallowed is None else _to_device(disallowed, device),
             generators={i: row.generator for i, row in enumerate(rows)
                         if row.generator is not None and not greedy[i]},
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None),
@@ -217,6 +239,31 @@ def _min_tokens_pairs(rows: list[SamplingRow],
     return np.array(row_ids, dtype=np.int64), np.array(token_ids, dtype=np.int64)
 
 
+def _logit_bias_triples(params: list[SamplingParams]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row, token id, bias) for every biased token of every row (ids checked against the
+    vocabulary when the request was added)."""
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    values: list[float] = []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            row_ids += [i] * len(p.logit_bias)
+            token_ids += p.logit_bias.keys()
+            values += p.logit_bias.values()
+    return (np.array(row_ids, dtype=np.int64), np.array(token_ids, dtype=np.int64),
+            np.array(values, dtype=np.float32))
+
+
+def _disallowed_mask(params: list[SamplingParams], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rows with allowed_token_ids, and for each a [V] mask of the tokens it blocks; rows
+    without the parameter get no mask row at all."""
+    rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    mask = np.ones((len(rows), vocab_size), dtype=np.bool_)
+    for j, i in enumerate(rows):
+        mask[j, params[i].allowed_token_ids] = False
+    return np.array(rows, dtype=np.int64), mask
+
+
 @dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64
@@ -246,13 +293,21 @@ class Sampler(torch.nn.Module):
     # The steps, public so tests (and debugging) can look at each stage.
 
     def penalised_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """A float32 copy of logits with min_tokens blocking and penalties applied. Every later
-        step works in place on this copy; the caller's logits are never modified."""
+        """A float32 copy of logits with allowed_token_ids, min_tokens blocking, logit_bias and
+        penalties applied (vLLM's order). Every later step works in place on this copy; the
+        caller's logits are never modified."""
         # Padding ids equal vocab_size must land outside the real vocabulary.
         assert logits.shape[-1] == meta.vocab_size, (logits.shape, meta.vocab_size)
         logits = logits.to(torch.float32, copy=True)
+        if meta.allowed_rows is not None:
+            assert meta.disallowed_mask is not None  # set with allowed_rows
+            logits[meta.allowed_rows] = logits[meta.allowed_rows].masked_fill_(meta.disallowed_mask, _NEG_INF)
         if meta.min_tokens_rows is not None:
             logits[meta.min_tokens_rows, meta.min_tokens_token_ids] = _NEG_INF
+        if meta.logit_bias_rows is not None:
+            assert meta.logit_bias_token_ids is not None and meta.logit_bias_values is not None
+            logits.index_put_((meta.logit_bias_rows, meta.logit_bias_token_ids), meta.logit_bias_values,
+                              accumulate=True)
         if meta.output_token_ids is not None:
             logits = apply_penalties(logits, meta)
         return logits

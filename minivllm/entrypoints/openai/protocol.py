@@ -9,7 +9,7 @@ hot path.
 
 import inspect
 import logging
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from transformers import PreTrainedTokenizerBase
@@ -77,7 +77,8 @@ class _SamplingRequest(_Request):
     repetition_penalty: float | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # JSON keys: token ids as strings
+    allowed_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     best_of: int | None = None
@@ -95,8 +96,6 @@ class _SamplingRequest(_Request):
                         defaults: dict[str, Any]) -> SamplingParams:
         """SamplingParams for this request; fields it leaves out take `defaults` (the model's
         generation config), then SamplingParams' own. Raises ValueError on bad values."""
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by minivllm: remove it from the request.")
         given = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p",
                                                         "repetition_penalty")
                  if getattr(self, name) is not None}
@@ -105,7 +104,11 @@ class _SamplingRequest(_Request):
                               ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, logprobs=logprobs,
                               skip_special_tokens=self.skip_special_tokens,
-                              include_stop_str_in_output=self.include_stop_str_in_output)
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              # SamplingParams turns the string keys into ints (as vLLM does) and
+                              # refuses any that are not integers.
+                              logit_bias=cast("dict[int, float] | None", self.logit_bias),
+                              allowed_token_ids=self.allowed_token_ids)
 
     @property
     def include_usage(self) -> bool:

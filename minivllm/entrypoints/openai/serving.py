@@ -151,7 +151,10 @@ class OpenAIServing:
     def _sampling_params(self, request: _SamplingRequest, max_tokens: int | None,
                          logprobs: int | None) -> SamplingParams:
         try:
-            return request.sampling_params(max_tokens, logprobs, self.sampling_defaults)
+            params = request.sampling_params(max_tokens, logprobs, self.sampling_defaults)
+            # Here rather than in the engine, so that the error names its field.
+            params.check_vocab(self.engine.vocab_size)
+            return params
         except ValueError as error:  # "SamplingParams: top_p must be ...": name the field as param
             message = str(error).removeprefix("SamplingParams: ")
             raise OpenAIError(message, param=message.split()[0]) from error
