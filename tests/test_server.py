@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from minivllm import LLM, SamplingParams
 from tests.hf_oracle import hf_greedy
@@ -412,6 +413,34 @@ def test_abandoned_requests_do_not_hold_up_new_ones(server: RemoteServer) -> Non
     samples = server.wait_idle()
     assert samples["vllm:kv_cache_usage_perc"] == 0
     assert samples["vllm:num_requests_running"] == 0 and samples["vllm:num_requests_waiting"] == 0
+
+
+def test_tokenizer_info_is_off_by_default(server: RemoteServer) -> None:
+    assert openai_error(httpx.get(f"{server.url}/tokenizer_info"), 404) == "Not Found"
+
+
+def test_tokenizer_info(model_dir: str) -> None:
+    """With the flag, what lm-eval's remote tokenizer reads: the special tokens and the chat
+    template as transformers loads them from the same directory, and eos_token_id as lm-eval
+    finds it (by /tokenize)."""
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    server = RemoteServer(model_dir, "--enable-tokenizer-info-endpoint")
+    try:
+        response = httpx.get(f"{server.url}/tokenizer_info")
+        assert response.status_code == 200, response.text
+        info = response.json()
+        assert info["eos_token"] == hf.eos_token == "<|endoftext|>"
+        assert info.get("bos_token") == hf.bos_token
+        assert info["pad_token"] == hf.pad_token
+        assert info["chat_template"] == hf.chat_template and "<|im_start|>" in info["chat_template"]
+        assert info["tokenizer_class"] == type(hf).__name__
+        assert info["model_max_length"] == hf.model_max_length
+        assert info["added_tokens_decoder"] == {str(i): str(t) for i, t in hf.added_tokens_decoder.items()}
+        assert "vocab_file" not in info and "merges_file" not in info
+        tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False})
+        assert tokens.json()["tokens"] == [hf.eos_token_id]
+    finally:
+        assert server.stop(signal.SIGTERM) == 0, server.output()
 
 
 # --- API key, tensor parallelism, shutdown ----------------------------------------------------

@@ -4,9 +4,10 @@ exactly what encoding its dict gives."""
 import json
 
 import pytest
+from tokenizers import AddedToken
 
 from minivllm.entrypoints.openai.protocol import CompletionRequest
-from minivllm.entrypoints.openai.serving import _ChatResponse, _CompletionResponse
+from minivllm.entrypoints.openai.serving import _NOT_JSON, _ChatResponse, _CompletionResponse, _json_value
 from minivllm.outputs import CompletionOutput
 
 TEXTS = ["", " the", 'quote " and \\ backslash', "line\nbreak\ttab\r", "\x00\x1f control", "é ü ß", "日本語",
@@ -35,3 +36,13 @@ def test_chunks_that_leave_the_template() -> None:
     running = (0, " there", [5], None, None, None, None)
     assert json.loads(echo.chunk_json(0, running))["text"] == "Hi there"
     assert json.loads(echo.chunk_json(0, running))["text"] == " there"  # the prompt only once
+
+
+def test_tokenizer_config_as_json() -> None:
+    """/tokenizer_info's values: AddedTokens as their text, what JSON cannot carry left out."""
+    config = {"eos_token": AddedToken("</s>", special=True), "ids": (1, 2.5, float("nan")),
+              "added_tokens_decoder": {0: AddedToken("<unk>")}, "path": object(), "max": float("inf")}
+    value = _json_value(config)
+    assert value == {"eos_token": "</s>", "ids": [1, 2.5], "added_tokens_decoder": {"0": "<unk>"}}
+    assert json.loads(json.dumps(value, allow_nan=False)) == value
+    assert _json_value(object()) is _NOT_JSON

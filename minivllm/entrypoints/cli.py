@@ -123,6 +123,9 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="render chat templates sent with requests (chat_template); refused otherwise")
+    parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                        help="serve GET /tokenizer_info: the tokenizer's configuration and chat template (for "
+                             "lm-eval's remote tokenizer)")
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,
                         help="seconds requests in flight have to finish after SIGTERM or SIGINT (then they end "
                              "with a 503)")

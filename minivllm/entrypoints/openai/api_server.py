@@ -51,7 +51,10 @@ _JSON_HINTS = {"surrogate": _LONE_SURROGATE, "end of hex escape": _LONE_SURROGAT
                "recursion limit": "it nests arrays and objects too deeply"}
 
 
-def build_app(serving: OpenAIServing, api_key: str | None = None) -> FastAPI:
+def build_app(serving: OpenAIServing, api_key: str | None = None,
+              enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
+    """enable_tokenizer_info_endpoint: serve GET /tokenizer_info (off by default, as in vLLM: it
+    hands out the chat template and the tokenizer's configuration)."""
     app = FastAPI(title="minivllm", version=minivllm.__version__)
     engine = serving.engine
 
@@ -108,6 +111,11 @@ def build_app(serving: OpenAIServing, api_key: str | None = None) -> FastAPI:
         if any(not 0 <= t < vocab_size for t in body.tokens):
             raise OpenAIError(f"Token ids must be in [0, {vocab_size}).", param="tokens")
         return {"prompt": cast(str, serving.tokenizer.decode(body.tokens))}  # one sequence: one string
+
+    if enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info() -> dict[str, Any]:
+            return serving.tokenizer_info()
 
     _add_error_handlers(app)
     if api_key:
@@ -341,7 +349,8 @@ def run_server(args: argparse.Namespace) -> None:
         cleanup.callback(engine.shutdown)
         serving = OpenAIServing(engine, names, args.trust_request_chat_template)
         cleanup.callback(serving.close)
-        edge = _EdgeApp(build_app(serving, args.api_key or os.environ.get("VLLM_API_KEY")))
+        edge = _EdgeApp(build_app(serving, args.api_key or os.environ.get("VLLM_API_KEY"),
+                                  args.enable_tokenizer_info_endpoint))
         # uvicorn's own limit, past ours: time for the ended requests' last events to go out.
         server_config = uvicorn.Config(edge, log_level="info", access_log=not args.disable_uvicorn_access_log,
                                        timeout_graceful_shutdown=args.shutdown_timeout + 5)

@@ -10,6 +10,7 @@ written from a template, without building and encoding a dict.
 import asyncio
 import itertools
 import json
+import math
 import os
 import time
 import uuid
@@ -21,6 +22,7 @@ from types import TracebackType
 from typing import Any, cast
 
 from starlette.types import Message, Send
+from tokenizers import AddedToken
 
 from minivllm.engine.async_llm import AsyncLLM, RequestStream, WireCompletion, WireOutput
 from minivllm.entrypoints.chat_renderer import ChatRenderer
@@ -40,6 +42,12 @@ _GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetiti
 _MIN_LOGPROB = -9999.0
 
 Json = dict[str, Any]
+# Paths to the tokenizer's files on the server: of no use to a client (vLLM leaves them out too).
+_TOKENIZER_FILE_FIELDS = ("vocab_file", "merges_file")
+# Special tokens as the loaded tokenizer resolved them: tokenizer_config.json may name them only
+# in special_tokens_map.json or not at all (a GGUF file's tokenizer), and lm-eval's remote
+# tokenizer needs eos_token.
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 def generation_config_defaults(model_dir: str) -> dict[str, Any]:
@@ -122,6 +130,25 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise OpenAIError("This server has no tokenizer: send token ids instead of text.")
         return await self.engine.encode(text, add_special_tokens)
+
+    def tokenizer_info(self) -> Json:
+        """GET /tokenizer_info, as vLLM answers it: the tokenizer's configuration (what
+        tokenizer_config.json gave it) with tokenizer_class and the chat template this server
+        renders with. lm-eval's remote tokenizer reads eos_token, bos_token, pad_token and
+        chat_template from it."""
+        if self.tokenizer is None:
+            raise OpenAIError("This server has no tokenizer.")
+        config = {key: value for key, value in self.tokenizer.init_kwargs.items() if key not in _TOKENIZER_FILE_FIELDS}
+        info = cast(Json, _json_value(config))
+        for name in _SPECIAL_TOKENS:
+            token = getattr(self.tokenizer, name)
+            if token is not None:
+                info[name] = str(token)
+        info["tokenizer_class"] = type(self.tokenizer).__name__
+        template = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, str):
+            info["chat_template"] = template
+        return info
 
     async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
                           template_kwargs: dict[str, Any] | None = None) -> list[int]:
@@ -428,6 +455,30 @@ def _completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]
         result["top_logprobs"].append({p.decoded_token: _clamp(p.logprob) for p in [chosen, *_top(position, k)]})
         offset += len(text)
     return result, offset
+
+
+class _NotJson:
+    """What _json_value answers for a value JSON cannot carry (the caller leaves it out)."""
+
+
+_NOT_JSON = _NotJson()
+
+
+def _json_value(value: object) -> object:
+    """value as JSON can carry it: an AddedToken as its text, tuples as lists, keys as strings;
+    _NOT_JSON for what it cannot (objects, NaN or infinite floats), left out of its container."""
+    if isinstance(value, AddedToken):
+        return value.content
+    if value is None or isinstance(value, str | bool | int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else _NOT_JSON
+    if isinstance(value, dict):
+        items = ((str(key), _json_value(item)) for key, item in value.items())
+        return {key: item for key, item in items if item is not _NOT_JSON}
+    if isinstance(value, list | tuple):
+        return [item for item in map(_json_value, value) if item is not _NOT_JSON]
+    return _NOT_JSON
 
 
 def _sse(payload: Json) -> str:
