@@ -25,9 +25,10 @@ from benchmarks.common import Request, random_prompt, report, timed_generate, wa
 COPY_BYTES = 1 << 30
 
 
-def copy_bandwidth(repeats: int = 5) -> float:
-    """Bytes per second (read + write) of the fastest of `repeats` copies of a 1 GiB tensor:
-    far past the caches, so it is the memory's practical peak."""
+def host_copy_bandwidth(repeats: int = 5) -> float:
+    """Bytes per second (read + write) of the fastest of `repeats` copies of a 1 GiB tensor in
+    host memory: far past the caches, so it is the memory's practical peak (common.copy_bandwidth
+    is the GPU's, timed by Triton)."""
     x = torch.ones(COPY_BYTES // 4)
     y = torch.empty_like(x)
     y.copy_(x)  # touch every page before timing
@@ -78,7 +79,7 @@ def main() -> None:
 
     model = llm.llm_engine.model_runner.model
     weight_bytes = weight_bytes_per_step(model)
-    bandwidth = copy_bandwidth()
+    bandwidth = host_copy_bandwidth()
     metrics: dict[str, object] = {
         "threads": torch.get_num_threads(), "dtype": str(llm.llm_engine.config.torch_dtype),
         "prompt_len": args.prompt_len, "tokens": args.tokens, "runs": args.runs,
