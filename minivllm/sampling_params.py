@@ -1,4 +1,5 @@
-"""SamplingParams: how to pick each next token and when to stop (vLLM's names and defaults)."""
+"""SamplingParams: how to pick each next token and when to stop (vLLM's names and defaults);
+StructuredOutputsParams: the format the output must follow (vLLM's structured outputs)."""
 
 import math
 from collections.abc import Callable
@@ -11,6 +12,67 @@ GREEDY_EPSILON = 1e-5
 
 # logit_bias values are clamped to OpenAI's documented range, as vLLM does.
 MAX_ABS_LOGIT_BIAS = 100.0
+
+
+# StructuredOutputsParams' constraints, of which a request sets exactly one.
+STRUCTURED_OUTPUT_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """The output must follow exactly one of: a JSON schema (`json`, a dict or its JSON text),
+    a regular expression, one of a list of strings (`choice`), a grammar (`grammar`: EBNF as
+    xgrammar and llama.cpp write it, or Lark when it has no `::=` rule), any JSON object
+    (`json_object=True`) or an xgrammar structural tag (its JSON text). Checked on
+    construction; whether the schema, regex or grammar itself is valid is checked where the
+    request is added (engine/grammar_spec.py), with xgrammar's own message."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    # JSON only: no whitespace between tokens (vLLM's option; any whitespace by default).
+    disable_any_whitespace: bool = False
+    # Accepted for vLLM's clients: xgrammar's strict mode already refuses properties a schema
+    # does not name unless it allows them (additionalProperties), which is what this asks.
+    disable_additional_properties: bool = False
+    # vLLM's outlines-only option; xgrammar has no equivalent, so it is refused when set.
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        def fail(message: str) -> NoReturn:
+            raise ValueError(f"StructuredOutputsParams: {message}")
+
+        given = [name for name in STRUCTURED_OUTPUT_CONSTRAINTS if getattr(self, name) is not None]
+        if len(given) != 1:
+            fail(f"give exactly one of {', '.join(STRUCTURED_OUTPUT_CONSTRAINTS)}; got "
+                 f"{', '.join(given) if given else 'none'}.")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            fail(f"json must be a JSON schema (a dict or its JSON text), got {type(self.json).__name__}.")
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                fail(f"{name} must be a non-empty string, got {value!r}.")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or any(not isinstance(c, str) for c in self.choice)):
+                fail(f"choice must be a non-empty list of strings, got {self.choice!r}.")
+            self.choice = list(self.choice)
+        if self.json_object is not None and self.json_object is not True:
+            fail(f"json_object must be True when given, got {self.json_object!r}.")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                fail(f"{name} must be a boolean, got {getattr(self, name)!r}.")
+        if self.whitespace_pattern is not None:
+            fail("whitespace_pattern is not supported (xgrammar has no such option): leave it out, or set "
+                 "disable_any_whitespace=True for JSON without whitespace.")
+
+    @property
+    def constraint(self) -> str:
+        """The name of the constraint given (one of STRUCTURED_OUTPUT_CONSTRAINTS)."""
+        return next(name for name in STRUCTURED_OUTPUT_CONSTRAINTS if getattr(self, name) is not None)
 
 
 @dataclass
@@ -36,6 +98,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Every other token is masked out (-inf) before anything else edits the logits.
     allowed_token_ids: list[int] | None = None
+    # The format the output must follow (JSON schema, regex, choice, grammar...); None: free text.
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine from the tokenizer / generation config: EOS and friends.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -105,6 +169,8 @@ class SamplingParams:
             if not ids:
                 fail("allowed_token_ids must not be empty: give at least one token id, or leave it out.")
             self.allowed_token_ids = [int(t) for t in ids]
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            fail(f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}.")
 
     def _validate_logit_bias(self, fail: Callable[[str], NoReturn]) -> None:
         """Keys to ints (vLLM also takes integer strings, as JSON gives them), values finite and

@@ -12,6 +12,7 @@ import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from minivllm.config import EngineConfig, is_gguf
+from minivllm.engine.grammar_spec import check_structured_outputs
 from minivllm.sampling_params import SamplingParams
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -89,6 +90,10 @@ class InputProcessor:
                              "use stop_token_ids instead.")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}.")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the tokenizer, which skip_tokenizer_init=True leaves out.")
+            check_structured_outputs(params.structured_outputs)
 
 
 def is_token_ids(prompt: object) -> bool:

@@ -10,10 +10,12 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from minivllm.config import EngineConfig
 from minivllm.engine.detokenizer import IncrementalDetokenizer, detokenize
+from minivllm.engine.grammar_spec import GrammarSpec
 from minivllm.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from minivllm.engine.kv_cache_manager import KVCacheManager
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.engine.structured_outputs import StructuredOutputManager
 from minivllm.executor.model_runner import ModelRunner, StepHandle
 from minivllm.executor.worker import Workers
 from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -26,6 +28,9 @@ GC_YOUNG_THRESHOLD = 10_000
 # back what the first found.
 _engines_raising_gc_threshold = 0
 _gc_threshold_before_engines = gc.get_threshold()
+# How long a step with nothing to run but requests waiting for their grammar waits for one to
+# compile before it returns (the caller loops; the engine core reads its commands in between).
+COMPILE_WAIT_S = 0.02
 
 
 def _raise_gc_threshold() -> None:
@@ -78,6 +83,9 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(self.model_runner.num_blocks, config.block_size,
                                                config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
+        # Requests with structured outputs wait there for their grammar, then join the scheduler.
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, config.hf_config.vocab_size,
+                                                          config.max_num_seqs, config.device.startswith("cuda"))
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}  # the requests' sequences, by id
         self.in_flight: StepHandle | None = None  # the launched step not yet read back
@@ -153,15 +161,39 @@ class LLMEngine:
         self.requests[request.request_id] = request
         for seq in request.seqs:
             self.seqs[seq.seq_id] = seq
-            self.scheduler.add(seq)
+        structured_outputs = request.params.structured_outputs
+        if structured_outputs is not None:
+            # Scheduled once its grammar has compiled (_admit_compiled).
+            self.structured_outputs.add(request.request_id, GrammarSpec.of(structured_outputs), request.seqs)
+        else:
+            for seq in request.seqs:
+                self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
-        request = self.requests.pop(request_id, None)
+        request = self.requests.get(request_id)
         if request is None:
             return
+        if self.structured_outputs.is_compiling(request_id):
+            self._finish_unscheduled(request, "abort")
         for seq in request.seqs:
             self.scheduler.finish(seq, "abort")
+        self._forget(request)
+
+    def _forget(self, request: Request) -> None:
+        """Drop a finished (or aborted) request."""
+        del self.requests[request.request_id]
+        for seq in request.seqs:
             del self.seqs[seq.seq_id]
+        if request.params.structured_outputs is not None:
+            self.structured_outputs.remove(request.request_id, request.seqs)
+
+    @staticmethod
+    def _finish_unscheduled(request: Request, finish_reason: str) -> None:
+        """Finish the sequences of a request that never reached the scheduler (its grammar
+        had not compiled)."""
+        for seq in request.seqs:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = finish_reason
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -182,6 +214,7 @@ class LLMEngine:
         """Stop the tensor-parallel workers, if any, and hand the start-up heap back to the
         garbage collector (so that a deleted engine's cycles are freed), at its former
         threshold once no other engine lives. The engine cannot run steps afterwards."""
+        self.structured_outputs.shutdown()
         if self.workers is not None:
             self.model_runner.release_graphs()  # before the process group goes
             self.workers.shutdown()
@@ -201,15 +234,24 @@ class LLMEngine:
         are read back, so the device never waits for the host's bookkeeping.
         """
         outputs: list[RequestOutput] = []
+        if self.structured_outputs.has_compiling:
+            outputs += self._admit_compiled()
         if self.in_flight is not None and self._needs_known_tokens():
             outputs += self._finish_step(self.in_flight)
             self.in_flight = None
         if self.failure is not None:
             raise RuntimeError("The engine failed in an earlier step; start a new one.") from self.failure
         scheduled = self.scheduler.schedule()
+        guided_rows = self.structured_outputs.guided_rows(scheduled) if self.structured_outputs.guided else []
+        forward = launched = None
         try:
-            # (Called for a step without rows too: the runner forgets finished sequences.)
-            launched = self.model_runner.launch(scheduled)
+            if guided_rows:
+                # Their grammar masks need the tokens of the step in flight: queue the forward
+                # pass, read that step back while it runs, then sample with the masks (below).
+                forward = self.model_runner.launch_forward(scheduled)
+            else:
+                # (Called for a step without rows too: the runner forgets finished sequences.)
+                launched = self.model_runner.launch(scheduled)
         except BaseException as error:
             # The scheduler already counted this step as done (computed tokens, cached block
             # hashes), so the engine's books no longer match the KV cache: stop for good.
@@ -225,7 +267,34 @@ class LLMEngine:
         self.num_prefill_tokens += sum(scheduled.num_new_tokens) - num_decodes
         if self.in_flight is not None:
             outputs += self._finish_step(self.in_flight)
+        if forward is not None:
+            try:
+                launched = self.model_runner.launch_sampling(forward, self.structured_outputs.bitmask(guided_rows))
+            except BaseException as error:
+                self.failure = error
+                raise
         self.in_flight = launched
+        return outputs
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammar has compiled; finish those whose compile failed
+        (finish_reason "error", as vLLM reports a request's internal error). With nothing else
+        to run, first wait a little for a compile."""
+        manager = self.structured_outputs
+        if self.in_flight is None and not (self.scheduler.running or self.scheduler.waiting):
+            manager.wait_for_compile(COMPILE_WAIT_S)
+        outputs = []
+        for request_id, error in manager.take_compiled():
+            request = self.requests[request_id]
+            if error is None:
+                for seq in request.seqs:
+                    self.scheduler.add(seq)
+                continue
+            self._finish_unscheduled(request, "error")
+            request.metrics.finished_time = time.time()
+            self._forget(request)
+            outputs.append(self._make_output(request, self._final_texts(
+                [(request, seq) for seq in request.seqs if request.detokenizers[seq.index] is None])))
         return outputs
 
     def _needs_known_tokens(self) -> bool:
@@ -238,6 +307,7 @@ class LLMEngine:
         advanced: dict[str, Request] = {}
         now = time.time()
         sampled = self.model_runner.collect(handle)
+        guided = self.structured_outputs.guided
         for seq, token, token_logprobs in zip(map(self.seqs.get, sampled.seq_ids), sampled.token_ids,
                                               sampled.logprobs):
             # Finished or aborted meanwhile (None: its whole request is gone): drop the token.
@@ -251,8 +321,11 @@ class LLMEngine:
             if token_logprobs is not None:
                 seq.logprobs.append(token_logprobs)
                 seq.cumulative_logprob += token_logprobs[token][0]
+            stopped = self._check_stop(request, seq, token)
+            if not stopped and guided and seq.seq_id in guided:
+                stopped = self._advance_grammar(seq, token)
             # Offline requests only need their final output; streams get every delta.
-            if self._check_stop(request, seq, token) or request.stream:
+            if stopped or request.stream:
                 advanced[request.request_id] = request
         finished = [request for request in advanced.values() if request.finished]
         final_texts = self._final_texts([(request, seq) for request in finished for seq in request.seqs
@@ -261,9 +334,7 @@ class LLMEngine:
         for request in advanced.values():
             if request.finished:
                 request.metrics.finished_time = now
-                del self.requests[request.request_id]
-                for seq in request.seqs:
-                    del self.seqs[seq.seq_id]
+                self._forget(request)
             elif not request.stream:
                 continue
             outputs.append(self._make_output(request, final_texts))
@@ -290,6 +361,17 @@ class LLMEngine:
         if finish_reason is None:
             return False
         self.scheduler.finish(seq, finish_reason, stop_reason)
+        return True
+
+    def _advance_grammar(self, seq: Sequence, token: int) -> bool:
+        """Advance seq's grammar with its new token; finish seq if that ends the grammar ("stop",
+        as the stop token it was: even short of min_tokens, where the grammar allowed nothing
+        else) or the grammar refuses it ("error", this sequence alone)."""
+        verdict = self.structured_outputs.accept(seq, token)
+        if verdict is None:
+            return False
+        stop_reason = token if verdict == "stop" and token in (seq.params.stop_token_ids or ()) else None
+        self.scheduler.finish(seq, verdict, stop_reason)
         return True
 
     def _make_output(self, request: Request, final_texts: dict[int, str]) -> RequestOutput:

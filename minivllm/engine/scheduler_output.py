@@ -11,6 +11,9 @@ its generator's position): admitted again, it comes back as a block update from 
 
 from dataclasses import dataclass, field
 
+import numpy as np
+import torch
+
 from minivllm.sampling_params import SamplingParams
 
 # (seq_id, start, block ids): the sequence's block-table entries from index `start` on are
@@ -45,8 +48,9 @@ class SchedulerOutput:
 
     Room to grow without reaching around it: speculative decoding would add a column of
     draft tokens per row (the runner verifies them and returns the accepted ones, so each
-    row's result becomes a list), and structured outputs a grammar bitmask per sampled row,
-    both built by the scheduler from its own state.
+    row's result becomes a list). Structured outputs' grammar bitmask comes apart
+    (GrammarBitmask): it needs the tokens of the step still in flight when this one is
+    scheduled.
     """
 
     seq_ids: list[int] = field(default_factory=list)
@@ -64,3 +68,15 @@ class SchedulerOutput:
     finished_seq_ids: list[int] = field(default_factory=list)
     # How many of the last rows came from the waiting queue this step (admitted).
     num_admitted: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarBitmask:
+    """The tokens each grammar-guided row of a step may sample next (engine/structured_outputs.py),
+    handed to the runner's launch_sampling once the previous step's tokens are known.
+
+    xgrammar's layout: bit t % 32 of word t // 32 of a row is token t, 1 = allowed; every other
+    token (and rows not listed) stays as it is."""
+
+    rows: np.ndarray  # int64: the guided rows, as places in the step's sampled rows (the scheduler's order)
+    bitmask: torch.Tensor  # int32 [len(rows), ceil(vocab_size / 32)] on the host (pinned where CUDA copies it)

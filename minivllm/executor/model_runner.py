@@ -22,7 +22,7 @@ from minivllm.attention.metadata import AttentionMetadata
 from minivllm.attention.torch_backend import TorchAttentionBackend
 from minivllm.config import EngineConfig
 from minivllm.distributed import broadcast_from_rank0, tp_rank, tp_size
-from minivllm.engine.scheduler_output import NewSequenceData, SchedulerOutput
+from minivllm.engine.scheduler_output import GrammarBitmask, NewSequenceData, SchedulerOutput
 from minivllm.executor.cuda_graphs import GraphShape, StepGraphs
 from minivllm.executor.input_buffers import InputBuffers
 from minivllm.executor.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_kv_blocks, release_kv_cache
@@ -31,7 +31,7 @@ from minivllm.executor.step_inputs import CASCADE_MIN_SEQS, ModelInputs, StepInp
 from minivllm.layers.attention import AttentionBackend
 from minivllm.layers.custom_op import use_triton_kernels
 from minivllm.layers.linear import choose_small_batch_kernels
-from minivllm.layers.sampler import Sampler, SamplingMetadata
+from minivllm.layers.sampler import Sampler, SamplingMetadata, apply_token_bitmask
 from minivllm.loader import init_dummy_weights, load_weights
 from minivllm.models.registry import build_model
 from minivllm.sampling_params import SamplingParams
@@ -56,6 +56,15 @@ class StepHandle:
     states: list[SequenceState]  # collect appends each one's token
     host: list[torch.Tensor]  # sampled ids, then logprob ids, logprobs, ranks if asked
     done: "torch.cuda.Event | None"
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardPass:
+    """A step whose forward pass is queued and whose rows sample (launch_forward): its rows and
+    the sampled rows' logits on the device, in the scheduler's order."""
+
+    rows: StepRows
+    logits: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,10 +320,17 @@ class ModelRunner:
             rows[...] = array
         self.execute_model(step)
 
-    @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> StepHandle | None:
         """Take in the scheduler's changes (update_states), then queue the step's forward pass
         and sampling on the device; don't wait for them. None when nothing samples."""
+        forward = self.launch_forward(out)
+        return None if forward is None else self.launch_sampling(forward)
+
+    @torch.inference_mode()
+    def launch_forward(self, out: SchedulerOutput) -> ForwardPass | None:
+        """launch's first half: take in the scheduler's changes and queue the forward pass;
+        None when nothing samples. The engine reads the previous step back meanwhile, then
+        calls launch_sampling (with the grammar bitmask those tokens decide)."""
         self.update_states(out)
         if not out.seq_ids:
             return None
@@ -325,9 +341,21 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.call("execute_shipped", step)
         logits = self.execute_model(step)
-        sampled_ids = rows.sampled_ids
-        if not sampled_ids:
+        if not rows.sampled_ids:
             return None
+        assert logits is not None  # rank 0, and rows sample
+        return ForwardPass(rows, logits)
+
+    @torch.inference_mode()
+    def launch_sampling(self, forward: ForwardPass, grammar: GrammarBitmask | None = None) -> StepHandle:
+        """launch's second half: queue the sampling of a forward pass's logits (those a grammar
+        forbids at -inf first) and the copies of its results; don't wait for them."""
+        rows, logits = forward.rows, forward.logits
+        sampled_ids = rows.sampled_ids
+        if grammar is not None:
+            # (Every sampled row guided: no row index to copy and gather by.)
+            guided_rows = None if len(grammar.rows) == len(sampled_ids) else grammar.rows
+            apply_token_bitmask(logits, grammar.bitmask, guided_rows)
         sampled = self.sampler(logits, self._sampling_metadata(rows))
         # The next step reads these on the device, for sequences whose token is still pending.
         self.last_sampled = sampled.sampled_token_ids

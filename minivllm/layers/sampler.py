@@ -1,10 +1,13 @@
 """Sampler: pick each sequence's next token from the logits, batched on device (vLLM v1 semantics).
 
-One step, for a batch of B rows of logits [B, V]:
+One step, for a batch of B rows of logits [B, V] (where structured outputs guide a row, the
+runner has already set the tokens its grammar forbids to -inf, `apply_token_bitmask`, so
+logprobs see the grammar, as in vLLM):
 
 1. logprobs, when any row asks, come from the RAW logits (log_softmax before anything below).
 2. allowed_token_ids: every other token of the row is set to -inf.
-3. min_tokens: until a row has min_tokens outputs, its stop tokens (and EOS) are set to -inf.
+3. min_tokens: until a row has min_tokens outputs, its stop tokens (and EOS) are set to -inf
+   (unless nothing else is left: `block_stop_tokens`).
 4. logit_bias: each biased token's value is added to its logit.
 5. penalties: repetition (prompt or output tokens), frequency and presence (output tokens).
 6. greedy rows (temperature ~ 0) take the argmax of the penalised logits.
@@ -303,7 +306,8 @@ class Sampler(torch.nn.Module):
             assert meta.disallowed_mask is not None  # set with allowed_rows
             logits[meta.allowed_rows] = logits[meta.allowed_rows].masked_fill_(meta.disallowed_mask, _NEG_INF)
         if meta.min_tokens_rows is not None:
-            logits[meta.min_tokens_rows, meta.min_tokens_token_ids] = _NEG_INF
+            assert meta.min_tokens_token_ids is not None  # set with min_tokens_rows
+            block_stop_tokens(logits, meta.min_tokens_rows, meta.min_tokens_token_ids)
         if meta.logit_bias_rows is not None:
             assert meta.logit_bias_token_ids is not None and meta.logit_bias_values is not None
             logits.index_put_((meta.logit_bias_rows, meta.logit_bias_token_ids), meta.logit_bias_values,
@@ -344,6 +348,38 @@ class Sampler(torch.nn.Module):
         if greedy is None or meta.greedy_mask is None:  # all_random: both None
             return sampled
         return torch.where(meta.greedy_mask, greedy, sampled)
+
+
+def block_stop_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+    """min_tokens: logits[rows[i], token_ids[i]] = -inf, except in a row where nothing else is
+    left (a grammar or allowed_token_ids that allows only stopping): that row may still stop,
+    rather than sample a token nothing allows. No host synchronisation."""
+    kept = logits[rows, token_ids]
+    logits[rows, token_ids] = _NEG_INF
+    nothing_left = logits.amax(dim=-1) == _NEG_INF
+    logits[rows, token_ids] = torch.where(nothing_left[rows], kept, _NEG_INF)
+
+
+# Bit i of a byte, for unpacking a token bitmask a byte at a time.
+_BYTE_BITS = torch.arange(8, dtype=torch.uint8)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: np.ndarray | None) -> None:
+    """Set to -inf, in place, every token of logits[rows[i]] that bitmask[i] does not allow
+    (rows None: row i is logits' row i). Both on the host, copied to logits' device without
+    waiting where the bitmask is pinned. xgrammar's layout: bit t % 32 of int32 word t // 32
+    is token t, 1 = allowed; unpacked a byte at a time (little-endian words: byte k holds
+    tokens 8k .. 8k + 7) into one bool per token."""
+    device = logits.device
+    num_rows, vocab_size = bitmask.shape[0], logits.shape[1]
+    words = bitmask.to(device, non_blocking=True)
+    allowed = words.view(torch.uint8).unsqueeze(-1).bitwise_right_shift(_BYTE_BITS.to(device)).bitwise_and_(1)
+    blocked = allowed.view(num_rows, -1)[:, :vocab_size] == 0
+    if rows is None:
+        logits.masked_fill_(blocked, _NEG_INF)
+    else:
+        index = _to_device(rows, device)
+        logits[index] = logits[index].masked_fill_(blocked, _NEG_INF)
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -7,6 +7,7 @@ serving.py: one streamed event per generated token makes their construction part
 hot path.
 """
 
+import dataclasses
 import inspect
 import logging
 from typing import Any, Literal, cast
@@ -14,7 +15,7 @@ from typing import Any, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from transformers import PreTrainedTokenizerBase
 
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +24,8 @@ logger = logging.getLogger(__name__)
 # request template (`chat_template`) is the server's to allow or refuse.
 _TEMPLATE_CALL_ARGUMENTS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) \
     - {"self", "kwargs", "chat_template"}
+
+_STRUCTURED_OUTPUTS_KEYS = frozenset(field.name for field in dataclasses.fields(StructuredOutputsParams))
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 405: "MethodNotAllowedError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
@@ -58,8 +61,32 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaResponseFormat(BaseModel):
+    """response_format's json_schema, as OpenAI's API has it (`strict` is accepted: xgrammar
+    holds the output to the schema either way)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    # OpenAI's key is "schema", which pydantic's BaseModel uses itself.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError("type 'json_schema' needs 'json_schema': {'name': ..., 'schema': {...}}")
+        return self
+
+
 class _SamplingRequest(_Request):
-    """The fields completions and chat share: sampling and stopping."""
+    """The fields completions and chat share: sampling, stopping and the output's format."""
 
     model: str | None = None
     n: int = 1
@@ -79,6 +106,10 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None  # JSON keys: token ids as strings
     allowed_token_ids: list[int] | None = None
+    # The output's format: OpenAI's response_format, or vLLM's structured_outputs (the keys of
+    # StructuredOutputsParams); a response_format other than text overrides that constraint.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     best_of: int | None = None
@@ -95,7 +126,8 @@ class _SamplingRequest(_Request):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict[str, Any]) -> SamplingParams:
         """SamplingParams for this request; fields it leaves out take `defaults` (the model's
-        generation config), then SamplingParams' own. Raises ValueError on bad values."""
+        generation config), then SamplingParams' own. Raises ValueError on bad values
+        (OpenAIError for the output's format)."""
         given = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p",
                                                         "repetition_penalty")
                  if getattr(self, name) is not None}
@@ -108,7 +140,38 @@ class _SamplingRequest(_Request):
                               # SamplingParams turns the string keys into ints (as vLLM does) and
                               # refuses any that are not integers.
                               logit_bias=cast("dict[int, float] | None", self.logit_bias),
-                              allowed_token_ids=self.allowed_token_ids)
+                              allowed_token_ids=self.allowed_token_ids,
+                              structured_outputs=self.structured_outputs_params())
+
+    @property
+    def structured_outputs_field(self) -> str:
+        """The field that sets the output's format (where its errors point)."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        return "structured_outputs"
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """StructuredOutputsParams from structured_outputs and response_format (whose constraint
+        replaces one of the same kind, as in vLLM; two kinds are an error). Raises OpenAIError
+        naming the field."""
+        fields = dict(self.structured_outputs or {})
+        response_format = self.response_format
+        if response_format is not None and response_format.type == "json_object":
+            fields["json_object"] = True
+        elif response_format is not None and response_format.type == "json_schema":
+            assert response_format.json_schema is not None  # ResponseFormat checks it
+            fields["json"] = response_format.json_schema.json_schema
+        if not fields and self.structured_outputs is None:
+            return None
+        param = self.structured_outputs_field
+        unknown = sorted(set(fields) - _STRUCTURED_OUTPUTS_KEYS)
+        if unknown:
+            raise OpenAIError(f"structured_outputs has no key {unknown[0]!r}; its keys are "
+                              f"{', '.join(sorted(_STRUCTURED_OUTPUTS_KEYS))}.", param=param)
+        try:
+            return StructuredOutputsParams(**fields)
+        except ValueError as error:
+            raise OpenAIError(str(error).removeprefix("StructuredOutputsParams: "), param=param) from error
 
     @property
     def include_usage(self) -> bool:
@@ -183,17 +246,14 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     chat_template: str | None = None  # the server refuses it unless it trusts request templates
     chat_template_kwargs: dict[str, Any] | None = None
-    # Refused unless empty: minivllm has no tool calling or structured output.
+    # Refused unless empty: minivllm has no tool calling.
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> "ChatCompletionRequest":
         if self.tools or self.tool_choice not in (None, "none"):
             raise ValueError("tools and tool_choice are not supported by minivllm: remove them")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ValueError("response_format other than {'type': 'text'} (structured output) is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         if self.continue_final_message and self.add_generation_prompt:

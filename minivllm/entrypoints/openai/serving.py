@@ -25,6 +25,7 @@ from starlette.types import Message, Send
 from tokenizers import AddedToken
 
 from minivllm.engine.async_llm import AsyncLLM, RequestStream, WireCompletion, WireOutput
+from minivllm.engine.grammar_spec import check_structured_outputs
 from minivllm.entrypoints.chat_renderer import ChatRenderer
 from minivllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -181,10 +182,15 @@ class OpenAIServing:
             params = request.sampling_params(max_tokens, logprobs, self.sampling_defaults)
             # Here rather than in the engine, so that the error names its field.
             params.check_vocab(self.engine.vocab_size)
-            return params
         except ValueError as error:  # "SamplingParams: top_p must be ...": name the field as param
             message = str(error).removeprefix("SamplingParams: ")
             raise OpenAIError(message, param=message.split()[0]) from error
+        if params.structured_outputs is not None:
+            try:  # xgrammar's parse of the schema, regex or grammar (the engine checks it too: cached)
+                check_structured_outputs(params.structured_outputs)
+            except ValueError as error:
+                raise OpenAIError(str(error), param=request.structured_outputs_field) from error
+        return params
 
     async def _start(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
                      request_id: str) -> list[RequestStream]:
@@ -285,6 +291,9 @@ class _Response:
                 index = first_index + sample
                 if index in self.finished or not (token_ids or finish_reason):
                     continue
+                if finish_reason == "error":  # vLLM's request-level internal error: always a 500
+                    raise OpenAIError("The engine could not complete this request (a grammar that did not "
+                                      "compile, say); the server logged why.", 500)
                 if finish_reason is not None:
                     self.finished.add(index)
                 self.usage.completion_tokens += len(token_ids)

@@ -1,0 +1,227 @@
+"""StructuredOutputManager: grammars for the requests that ask for structured outputs, and
+each step's bitmask of the tokens their sequences may sample next (xgrammar).
+
+A request's grammar compiles on a thread pool (xgrammar compiles without the interpreter lock),
+once per spec (GrammarSpec, cached here and in xgrammar's compiler); the request waits here,
+outside the scheduler, until it has compiled, so the step loop never waits for a compile. Then
+each of its sequences gets a GrammarMatcher: the state of its output in the grammar, advanced
+with every token the engine reads back. A step that samples guided sequences asks `bitmask`
+for their next-token masks once the step before it is read back (LLMEngine.step).
+
+A reasoning model writes its reasoning first, unconstrained: with a `reasoner` (an object with
+vLLM's ReasoningParser method `is_reasoning_end(token_ids) -> bool`), a sequence is neither
+masked nor advanced until the reasoner says its tokens (prompt, then outputs so far) end the
+reasoning; the grammar applies to the tokens after that.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from minivllm.engine.grammar_spec import GrammarSpec
+from minivllm.engine.scheduler_output import GrammarBitmask, SchedulerOutput
+from minivllm.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+logger = logging.getLogger(__name__)
+
+# Compiled grammars kept by spec (xgrammar's compiler keeps its own cache besides, in bytes).
+GRAMMAR_CACHE_SIZE = 128
+XGRAMMAR_CACHE_BYTES = 512 * 2**20
+# From this many guided rows a step fills their masks on xgrammar's threads
+# (BatchGrammarMatcher); fewer, one matcher at a time (benchmarks/kernels/grammar_bitmask.py).
+BATCH_FILL_MIN_ROWS = 16
+
+
+class ReasoningEnd(Protocol):
+    """What the manager asks of a reasoning parser (vLLM's ReasoningParser has this method)."""
+
+    def is_reasoning_end(self, token_ids: list[int]) -> bool: ...
+
+
+@dataclass(slots=True)
+class _Guided:
+    """One sequence's place in its grammar."""
+
+    matcher: xgr.GrammarMatcher
+    reasoning_ended: bool  # until then the sequence is free text, its matcher untouched
+
+
+@dataclass(slots=True)
+class _Compiling:
+    """A request waiting for its grammar."""
+
+    seqs: list[Sequence]
+    grammar: Future[xgr.CompiledGrammar]
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, max_num_seqs: int,
+                 pin_memory: bool, reasoner: ReasoningEnd | None = None) -> None:
+        """vocab_size: the model's logits width (the bitmask's); pin_memory: the bitmask is
+        copied to a CUDA device. Nothing of xgrammar is loaded before the first grammar."""
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
+        self.pin_memory = pin_memory
+        self.reasoner = reasoner
+        self._pool: ThreadPoolExecutor | None = None
+        self._compiler: Future[xgr.GrammarCompiler] | None = None
+        self._grammars: OrderedDict[GrammarSpec, Future[xgr.CompiledGrammar]] = OrderedDict()
+        self._compiling: dict[str, _Compiling] = {}  # by request id
+        self.guided: dict[int, _Guided] = {}  # by seq id: the sequences whose grammar is compiled
+        self._bitmask: torch.Tensor | None = None
+        self._batch_matcher: xgr.BatchGrammarMatcher | None = None
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def add(self, request_id: str, spec: GrammarSpec, seqs: list[Sequence]) -> None:
+        """Hold a request's sequences until its grammar has compiled (take_compiled)."""
+        self._compiling[request_id] = _Compiling(seqs, self._compile(spec))
+
+    def _compile(self, spec: GrammarSpec) -> Future[xgr.CompiledGrammar]:
+        grammar = self._grammars.get(spec)
+        if grammar is not None and not (grammar.done() and grammar.exception() is not None):
+            self._grammars.move_to_end(spec)
+            return grammar
+        if self._pool is None:
+            # As vLLM: compiles are CPU work, half the cores at most (a compile also uses
+            # xgrammar's own threads).
+            self._pool = ThreadPoolExecutor(max(1, min(4, (os.cpu_count() or 2) // 2)),
+                                            thread_name_prefix="minivllm-grammar")
+            self._compiler = self._pool.submit(self._make_compiler)
+        grammar = self._pool.submit(self._compile_now, spec)
+        self._grammars[spec] = grammar
+        if len(self._grammars) > GRAMMAR_CACHE_SIZE:
+            self._grammars.popitem(last=False)
+        return grammar
+
+    def _make_compiler(self) -> xgr.GrammarCompiler:
+        """(On the pool: the vocabulary's token table takes a while for a large vocabulary.)"""
+        import xgrammar as xgr
+
+        assert self.tokenizer is not None, "InputProcessor refuses structured outputs without a tokenizer"
+        info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+        return xgr.GrammarCompiler(info, cache_limit_bytes=XGRAMMAR_CACHE_BYTES)
+
+    def _compile_now(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        assert self._compiler is not None  # made with the pool
+        return self._compiler.result().compile_grammar(spec.build())
+
+    @property
+    def has_compiling(self) -> bool:
+        return bool(self._compiling)
+
+    def is_compiling(self, request_id: str) -> bool:
+        return request_id in self._compiling
+
+    def wait_for_compile(self, timeout_s: float) -> None:
+        """Block until a waiting request's grammar is done, for at most timeout_s."""
+        wait([entry.grammar for entry in self._compiling.values()], timeout_s, FIRST_COMPLETED)
+
+    def take_compiled(self) -> list[tuple[str, BaseException | None]]:
+        """The waiting requests whose grammar is done, each with the error that stopped its
+        compile (None: compiled, and its sequences have their matchers: schedule them)."""
+        done = [(request_id, entry) for request_id, entry in self._compiling.items() if entry.grammar.done()]
+        taken = []
+        for request_id, entry in done:
+            del self._compiling[request_id]
+            error = entry.grammar.exception()
+            if error is None:
+                self._start(entry.seqs, entry.grammar.result())
+            else:
+                logger.error("Request %s: its grammar did not compile: %s", request_id, error)
+            taken.append((request_id, error))
+        return taken
+
+    def _start(self, seqs: list[Sequence], grammar: xgr.CompiledGrammar) -> None:
+        import xgrammar as xgr
+
+        for seq in seqs:
+            # The engine's stop tokens end the grammar (xgrammar's guess from the tokenizer when
+            # there are none: ignore_eos without stop_token_ids).
+            stop_token_ids = sorted(seq.params.all_stop_token_ids) or None
+            ended = self.reasoner is None or self.reasoner.is_reasoning_end(seq.prompt_token_ids)
+            self.guided[seq.seq_id] = _Guided(xgr.GrammarMatcher(grammar, override_stop_tokens=stop_token_ids), ended)
+
+    def remove(self, request_id: str, seqs: list[Sequence]) -> None:
+        """Forget a request (finished or aborted), compiled or not."""
+        self._compiling.pop(request_id, None)
+        for seq in seqs:
+            self.guided.pop(seq.seq_id, None)
+
+    # --- steps ------------------------------------------------------------------------------
+
+    def guided_rows(self, out: SchedulerOutput) -> list[tuple[int, int]]:
+        """The step's sampled rows of guided sequences: (place among the sampled rows, seq id)."""
+        guided = self.guided
+        rows = []
+        place = 0
+        for seq_id, samples in zip(out.seq_ids, out.samples):
+            if samples:
+                if seq_id in guided:
+                    rows.append((place, seq_id))
+                place += 1
+        return rows
+
+    def bitmask(self, rows: list[tuple[int, int]]) -> GrammarBitmask | None:
+        """The next-token masks of guided_rows' rows, from their matchers as they stand (after
+        the tokens read back so far); None when none is masked (finished since, or still
+        reasoning). The bitmask is one pinned buffer, rewritten each step: the engine reads a
+        step back, which waits for its copy of the bitmask, before it asks for the next one."""
+        import xgrammar as xgr
+
+        places, matchers = [], []
+        for place, seq_id in rows:
+            guided = self.guided.get(seq_id)
+            if guided is not None and guided.reasoning_ended and not guided.matcher.is_terminated():
+                places.append(place)
+                matchers.append(guided.matcher)
+        if not matchers:
+            return None
+        if self._bitmask is None:
+            self._bitmask = xgr.allocate_token_bitmask(self.max_num_seqs, self.vocab_size)
+            if self.pin_memory:
+                self._bitmask = self._bitmask.pin_memory()
+        bitmask = self._bitmask[:len(matchers)]
+        if len(matchers) >= BATCH_FILL_MIN_ROWS:
+            if self._batch_matcher is None:
+                self._batch_matcher = xgr.BatchGrammarMatcher()
+            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
+        else:
+            for i, matcher in enumerate(matchers):
+                matcher.fill_next_token_bitmask(bitmask, i)
+        return GrammarBitmask(np.array(places, dtype=np.int64), bitmask)
+
+    def accept(self, seq: Sequence, token: int) -> str | None:
+        """Advance seq's matcher (if it has one) with its newly read-back token: "stop" once
+        the grammar is complete (the token was a stop token), "error" if the grammar does not
+        allow the token (the mask forbade it: a bug, which fails this sequence alone), else
+        None. While the sequence reasons, the token only tells whether the reasoning ended."""
+        guided = self.guided.get(seq.seq_id)
+        if guided is None:
+            return None
+        if not guided.reasoning_ended:
+            guided.reasoning_ended = self.reasoner is None or self.reasoner.is_reasoning_end(seq.token_ids)
+            return None
+        matcher = guided.matcher
+        if not matcher.accept_token(token):
+            logger.error("Sequence %d of request %s: its grammar does not allow token %d", seq.seq_id,
+                         seq.request_id, token)
+            return "error"
+        return "stop" if matcher.is_terminated() else None
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
