@@ -1,6 +1,7 @@
 """The torch path needs no Triton: with `import triton` failing (as where it is not installed),
 minivllm imports, builds an engine on CPU with the torch kernels, generates, and its command
-line works. Each check runs in a fresh interpreter, since this one has imported Triton."""
+line works; nor does it load xgrammar before a request asks for structured outputs. Each check
+runs in a fresh interpreter, since this one has imported Triton."""
 
 import os
 import subprocess
@@ -50,8 +51,11 @@ def test_llm_generates_without_triton(tiny_model_factory, architecture: str) -> 
         params = SamplingParams(max_tokens=4, ignore_eos=True)
         [output] = llm.generate(["Hello there"], params, use_tqdm=False)
         print("TOKENS:", len(output.outputs[0].token_ids))
+        import sys
+        print("XGRAMMAR LOADED:", "xgrammar" in sys.modules)
     """)
     assert "TOKENS: 4" in out
+    assert "XGRAMMAR LOADED: False" in out  # loaded only for a request with structured outputs
 
 
 def test_cli_without_triton(tiny_model_factory) -> None:

@@ -19,7 +19,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from minivllm import LLM, SamplingParams
+from minivllm import LLM, SamplingParams, StructuredOutputsParams
 from tests.hf_oracle import hf_greedy
 from tests.server_utils import RemoteServer, alive, descendants, openai_error
 
@@ -275,7 +275,7 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server: RemoteServer,
         (httpx.post(url, json={**good, "logprobs": 21}), 400, "logprobs"),
         (httpx.post(chat_url, json={**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}),
          400, "tools"),
-        (httpx.post(chat_url, json={**chat, "response_format": {"type": "json_object"}}), 400, "response_format"),
+        (httpx.post(chat_url, json={**chat, "response_format": {"type": "xml"}}), 400, "response_format"),
         (httpx.post(chat_url, json={**chat, "top_logprobs": 2}), 400, "logprobs=true"),
         (httpx.post(url, json={**good, "max_tokens": "many"}), 400, "max_tokens"),
         (httpx.post(url, json={**good, "prompt": {"not": "a prompt"}}), 400, "prompt"),
@@ -341,6 +341,76 @@ def test_logit_bias_and_allowed_token_ids(server: RemoteServer, offline: LLM) ->
         with pytest.raises(openai.BadRequestError, match=fragment) as error:
             client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body=body)
         assert error.value.param == param
+    server.wait_idle()
+
+
+SCHEMA = {"type": "object", "properties": {
+    "answer": {"enum": ["yes", "no"]}, "score": {"type": "integer", "minimum": 0, "maximum": 9},
+    "notes": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}}, "required": ["answer", "score", "notes"]}
+
+
+def test_structured_outputs(server: RemoteServer, offline: LLM) -> None:
+    """response_format (json_schema, json_object) on chat and completions, and vLLM's
+    structured_outputs extra body, through the official client: the offline engine's greedy
+    text, in the format asked; streamed deltas join to it."""
+    client = server.client()
+    messages = [{"role": "user", "content": "Answer in JSON."}]
+    # structured_outputs' option with response_format's schema (its constraint), as vLLM merges them.
+    chat = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA, "strict": True}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    text = chat.choices[0].message.content
+    expected = offline.chat(messages, SamplingParams(temperature=0, max_tokens=60, structured_outputs=(
+        StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))), use_tqdm=False)[0].outputs[0]
+    assert text == expected.text and chat.choices[0].finish_reason == "stop"
+    value = json.loads(text)
+    assert value["answer"] in ("yes", "no") and 0 <= value["score"] <= 9 and len(value["notes"]) <= 2
+    completion = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=30, temperature=0,
+                                           extra_body={"response_format": {"type": "json_object"}})
+    assert completion.choices[0].text == offline.generate(PROMPTS[0], SamplingParams(
+        temperature=0, max_tokens=30, structured_outputs=StructuredOutputsParams(json_object=True)),
+        use_tqdm=False)[0].outputs[0].text
+    assert completion.choices[0].text.startswith("{")
+    regex = "[a-z]{2,5}-[0-9]{1,3}"
+    for constraint, follows in [({"regex": regex}, lambda t: re.fullmatch(regex, t)),
+                                ({"choice": ["red", "green"]}, lambda t: t in ("red", "green"))]:
+        kwargs = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 20, "temperature": 1.0, "seed": 3, "n": 2,
+                  "extra_body": {"structured_outputs": constraint}}
+        whole = client.completions.create(**kwargs)
+        assert all(follows(c.text) and c.finish_reason == "stop" for c in whole.choices), whole.choices
+        streamed = ["", ""]
+        for chunk in client.completions.create(**kwargs, stream=True):
+            for choice in chunk.choices:
+                streamed[choice.index] += choice.text
+        assert streamed == [c.text for c in whole.choices]
+    server.wait_idle()
+
+
+def test_bad_structured_outputs_get_400_naming_the_field(server: RemoteServer) -> None:
+    """An invalid schema, regex or grammar is a 400 that quotes xgrammar, param naming the field
+    that carried it; so are two constraints at once, or keys that do not exist."""
+    client = server.client()
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    cases = [
+        ({"extra_body": {"structured_outputs": {"regex": "(ab"}}}, "structured_outputs", "Regex parsing error"),
+        ({"extra_body": {"structured_outputs": {"grammar": "root ::= "}}}, "structured_outputs", "EBNF parser error"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+         "response_format", 'Unsupported type "foo"'),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "'schema'"),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
+        ({"response_format": {"type": "json_object"}, "extra_body": {"structured_outputs": {"regex": "a"}}},
+         "response_format", "exactly one"),
+        ({"extra_body": {"structured_outputs": {}}}, "structured_outputs", "exactly one"),
+        ({"extra_body": {"structured_outputs": {"regexp": "a"}}}, "structured_outputs", "no key 'regexp'"),
+    ]
+    for kwargs, param, fragment in cases:
+        with pytest.raises(openai.BadRequestError, match=re.escape(fragment)) as error:
+            client.chat.completions.create(**chat, **kwargs)
+        assert error.value.param == param, (kwargs, error.value)
+    with pytest.raises(openai.BadRequestError, match="Regex parsing error"):
+        client.completions.create(model="tiny", prompt="x", extra_body={"structured_outputs": {"regex": "(ab"}})
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=2).choices[0].text is not None
     server.wait_idle()
 
 

@@ -225,7 +225,9 @@ _WRONG_VALUES: dict[str, list[Any]] = {
     "allowed_token_ids": [[], ["x"], [10**9], [-1], 5],
     "top_logprobs": [2, 50, "x"],
     "tools": [[{"type": "function", "function": {"name": "f"}}], 5],
-    "response_format": [{"type": "json_object"}, 5],
+    "response_format": [{"type": "xml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "foo"}}}, 5],
+    "structured_outputs": [{}, {"regex": "("}, {"json": 5}, {"regex": "a", "choice": ["a"]}, {"nope": 1}, 5],
     "chat_template_kwargs": [{"tokenize": True}, {"chat_template": "x"}, 5],
     "chat_template": ["{{ 'x' }}", 5],
     "continue_final_message": ["yes"],
@@ -234,9 +236,9 @@ _WRONG_VALUES: dict[str, list[Any]] = {
 _COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                       "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
                       "stream", "stream_options", "ignore_eos", "min_tokens", "echo", "best_of", "logit_bias",
-                      "allowed_token_ids"]
+                      "allowed_token_ids", "response_format", "structured_outputs"]
 _CHAT_FIELDS = [f for f in _COMPLETION_FIELDS if f not in ("prompt", "logprobs", "echo")] + [
-    "messages", "top_logprobs", "tools", "response_format", "chat_template_kwargs", "chat_template",
+    "messages", "top_logprobs", "tools", "chat_template_kwargs", "chat_template",
     "continue_final_message", "add_generation_prompt"]
 
 
