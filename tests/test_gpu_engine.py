@@ -90,6 +90,21 @@ def test_full_length_sequence_under_cuda_graphs(tiny_model_factory) -> None:
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outputs]
 
 
+def test_structured_outputs_under_cuda_graphs(tiny_model_factory) -> None:
+    """Guided sequences on the GPU path (CUDA graphs, the Triton sampler, the bitmask copied
+    from pinned memory while the forward pass runs): every output follows its constraint."""
+    from tests.test_structured_outputs import CASES, PROMPTS
+
+    llm = gpu_llm(tiny_model_factory("Qwen3ForCausalLM"))
+    cases = [(so, follows, temperature) for so, follows in CASES.values() for temperature in (0.0, 1.0)]
+    params = [SamplingParams(max_tokens=100, temperature=temperature, seed=7, n=2, structured_outputs=so)
+              for so, _, temperature in cases]
+    outputs = llm.generate([prompt for prompt in PROMPTS for _ in cases], params * len(PROMPTS), use_tqdm=False)
+    for output, (_, follows, _) in zip(outputs, cases * len(PROMPTS)):
+        for completion in output.outputs:
+            assert completion.finish_reason == "stop" and follows(completion.text), completion
+
+
 @pytest.fixture
 def replays(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The kind of every CUDA-graph replay from here on ("decode", "cascade", "prefill")."""

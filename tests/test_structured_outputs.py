@@ -388,3 +388,15 @@ def test_reasoning_is_free_text_then_the_grammar_applies(model_dir: str, tokeniz
     assert not re.fullmatch("xy{1,3}z.*", tokenizer.decode(thinking))  # the random model's own text
     # Asked of the prompt, then after each output token until the reasoning ended.
     assert reasoner.calls == [len(prompt) + i for i in range(7)]
+
+
+def test_a_token_the_grammar_refuses_fails_its_sequence_alone(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without its mask (a bug, made here), a guided sequence samples what its grammar refuses:
+    that sequence finishes with "error", and the request beside it is untouched."""
+    monkeypatch.setattr(StructuredOutputManager, "bitmask", lambda manager, rows: None)
+    llm = make_llm(model_dir)
+    guided, plain = llm.generate(PROMPTS[:2], [
+        SamplingParams(max_tokens=10, temperature=0, structured_outputs=StructuredOutputsParams(regex="QQ")),
+        SamplingParams(max_tokens=5, ignore_eos=True)], use_tqdm=False)
+    assert guided.outputs[0].finish_reason == "error" and len(guided.outputs[0].token_ids) == 1
+    assert len(plain.outputs[0].token_ids) == 5

@@ -12,7 +12,8 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from minivllm import SamplingParams
+from minivllm import SamplingParams, StructuredOutputsParams
+from minivllm.outputs import RequestOutput
 from tests.hf_oracle import hf_greedy
 from tests.test_generate_hf import expected, make_llm, mixed_prompts, run, vocab
 from tests.test_qwen3_moe import VARIANTS
@@ -29,6 +30,10 @@ MODELS = {
     "qwen3-moe": ("Qwen3MoeForCausalLM", VARIANTS["dense-layer-0-renormalised"]),
 }
 MAX_TOKENS = 20
+
+
+def tokens_of(outputs: list[RequestOutput]) -> list[list[int]]:
+    return [list(c.token_ids) for o in outputs for c in o.outputs]
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -63,9 +68,14 @@ def test_plain_logprobs_and_shutdown(tiny_model_factory) -> None:
     want = expected(model_dir, prompts)
     prompt = prompts[5]
     want_tokens, want_logprobs = hf_greedy(model_dir, prompt, 6)
+    # Structured outputs: rank 0 masks and samples; the workers only run the forward passes.
+    guided = SamplingParams(temperature=1.0, seed=2, n=2, max_tokens=20,
+                            structured_outputs=StructuredOutputsParams(regex="[a-z]{2,4}-[0-9]{1,2}"))
+    guided_want = tokens_of(make_llm(model_dir).generate(prompts[:3], guided, use_tqdm=False))
     llm = make_llm(model_dir, tensor_parallel_size=2)
     try:
         assert run(llm, prompts) == want
+        assert tokens_of(llm.generate(prompts[:3], guided, use_tqdm=False)) == guided_want
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
         out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
         assert list(out.token_ids) == want_tokens

@@ -174,9 +174,10 @@ class LLMEngine:
         if request is None:
             return
         if self.structured_outputs.is_compiling(request_id):
-            self._finish_unscheduled(request, "abort")
-        for seq in request.seqs:
-            self.scheduler.finish(seq, "abort")
+            self._finish_unscheduled(request, "abort")  # never queued: the scheduler holds nothing of it
+        else:
+            for seq in request.seqs:
+                self.scheduler.finish(seq, "abort")
         self._forget(request)
 
     def _forget(self, request: Request) -> None:
@@ -231,7 +232,9 @@ class LLMEngine:
 
         Returns outputs of the requests that finished, and of streaming requests that
         advanced. The step after a launch is scheduled before the launched step's tokens
-        are read back, so the device never waits for the host's bookkeeping.
+        are read back, so the device never waits for the host's bookkeeping. A step that
+        samples grammar-guided sequences samples after that read-back (their masks depend on
+        those tokens); its forward pass is queued before it all the same.
         """
         outputs: list[RequestOutput] = []
         if self.structured_outputs.has_compiling:

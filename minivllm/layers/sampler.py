@@ -360,10 +360,6 @@ def block_stop_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch
     logits[rows, token_ids] = torch.where(nothing_left[rows], kept, _NEG_INF)
 
 
-# Bit i of a byte, for unpacking a token bitmask a byte at a time.
-_BYTE_BITS = torch.arange(8, dtype=torch.uint8)
-
-
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: np.ndarray | None) -> None:
     """Set to -inf, in place, every token of logits[rows[i]] that bitmask[i] does not allow
     (rows None: row i is logits' row i). Both on the host, copied to logits' device without
@@ -373,7 +369,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: np.nd
     device = logits.device
     num_rows, vocab_size = bitmask.shape[0], logits.shape[1]
     words = bitmask.to(device, non_blocking=True)
-    allowed = words.view(torch.uint8).unsqueeze(-1).bitwise_right_shift(_BYTE_BITS.to(device)).bitwise_and_(1)
+    bit_shifts = torch.arange(8, dtype=torch.uint8, device=device)  # made there: a copy would wait for the device
+    allowed = words.view(torch.uint8).unsqueeze(-1).bitwise_right_shift(bit_shifts).bitwise_and_(1)
     blocked = allowed.view(num_rows, -1)[:, :vocab_size] == 0
     if rows is None:
         logits.masked_fill_(blocked, _NEG_INF)
