@@ -332,6 +332,7 @@ def test_a_slow_compile_does_not_stall_other_requests(model_dir: str, monkeypatc
     while "plain" not in finished:
         finished.update((o.request_id, o) for o in engine.step())
         assert len(engine.scheduler.running) + len(engine.scheduler.waiting) <= 1  # the guided one waits
+        assert engine.stats()["num_waiting"] >= 1  # and counts as waiting
     assert "guided" not in finished and len(finished["plain"].outputs[0].token_ids) == 20
     held.release.set()
     while engine.has_unfinished_requests():

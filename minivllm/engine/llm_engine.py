@@ -205,7 +205,8 @@ class LLMEngine:
         return {"prefix_cache_queries": kv.prefix_queries, "prefix_cache_hits": kv.prefix_hits,
                 "num_preemptions": self.scheduler.num_preemptions, "num_free_blocks": kv.num_free_blocks,
                 "num_blocks": kv.num_blocks, "num_running": len(self.scheduler.running),
-                "num_waiting": len(self.scheduler.waiting)}
+                # Sequences whose grammar is compiling wait too (vLLM counts them as waiting).
+                "num_waiting": len(self.scheduler.waiting) + self.structured_outputs.num_compiling_seqs}
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache; False (and nothing forgotten) while requests hold blocks."""

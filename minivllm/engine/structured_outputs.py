@@ -126,6 +126,11 @@ class StructuredOutputManager:
     def is_compiling(self, request_id: str) -> bool:
         return request_id in self._compiling
 
+    @property
+    def num_compiling_seqs(self) -> int:
+        """The sequences of the requests waiting for their grammar."""
+        return sum(len(entry.seqs) for entry in self._compiling.values())
+
     def wait_for_compile(self, timeout_s: float) -> None:
         """Block until a waiting request's grammar is done, for at most timeout_s."""
         wait([entry.grammar for entry in self._compiling.values()], timeout_s, FIRST_COMPLETED)
