@@ -16,8 +16,8 @@ TEXTS = ["", " the", 'quote " and \\ backslash', "line\nbreak\ttab\r", "\x00\x1f
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_chunk_templates_are_the_chunk_json(text: str) -> None:
-    completion = _CompletionResponse("cmpl-1", "tiny", CompletionRequest(prompt=["w", "x", "y", "z"]), 1, [""] * 4,
-                                     [])
+    completion = _CompletionResponse("cmpl-1", "tiny", CompletionRequest(prompt=["w", "x", "y", "z"]), 1, [], [],
+                                     str)
     chat = _ChatResponse("chatcmpl-1", "tiny", None, 1, [])
     running = (0, text, [5], None, None, None, None)  # CompletionOutput's fields
     for response in (completion, chat):
@@ -29,10 +29,11 @@ def test_chunk_templates_are_the_chunk_json(text: str) -> None:
 def test_chunks_that_leave_the_template() -> None:
     """Finished choices, logprobs and echo are encoded from their dict."""
     finished = (0, "end", [5], None, None, "stop", "###")
-    response = _CompletionResponse("cmpl-1", "tiny", CompletionRequest(prompt="x"), 1, [""], [])
+    response = _CompletionResponse("cmpl-1", "tiny", CompletionRequest(prompt="x"), 1, [], [], str)
     assert json.loads(response.chunk_json(0, finished)) == {"index": 0, "text": "end", "logprobs": None,
                                                             "finish_reason": "stop", "stop_reason": "###"}
-    echo = _CompletionResponse("cmpl-1", "tiny", CompletionRequest(prompt="x", echo=True), 1, ["Hi"], [])
+    echo = _CompletionResponse("cmpl-1", "tiny", CompletionRequest(prompt="x", echo=True), 1, [("Hi", [7])], [],
+                               str)
     running = (0, " there", [5], None, None, None, None)
     assert json.loads(echo.chunk_json(0, running))["text"] == "Hi there"
     assert json.loads(echo.chunk_json(0, running))["text"] == " there"  # the prompt only once
