@@ -175,7 +175,8 @@ class SamplingMetadata:
 
         min_rows, min_tokens = _min_tokens_pairs(rows, vocab_size)
         bad_rows = bad_ids = None
-        if any(p.bad_words_token_ids for p in params):
+        has_bad_words = any(p.bad_words_token_ids for p in params)
+        if has_bad_words:
             bad_rows, bad_ids = _bad_words_pairs(rows)
         bias_rows = bias_ids = bias_values = allowed_rows = disallowed = None
         # Both are static per sequence, so they survive the reuse of a steady batch's metadata.
@@ -213,7 +214,8 @@ class SamplingMetadata:
                         if row.generator is not None and not greedy[i]},
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None),
                                  default=None),
-            reads_outputs=use_penalties or min_rows is not None or any(p.has_bad_word_prefixes for p in params),
+            reads_outputs=use_penalties or min_rows is not None or (
+                has_bad_words and any(p.has_bad_word_prefixes for p in params)),
         )
 
 
