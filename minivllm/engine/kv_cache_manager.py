@@ -150,7 +150,7 @@ class KVCacheManager:
                 ref_counts[block_id] = count + 1
             seq.block_table = list(cached_prefix)
             seq.num_computed_tokens = num_computed
-            if self.enable_prefix_caching and seq.num_prompt_logprobs is None:  # (those did not look)
+            if self.enable_prefix_caching and seq.num_prompt_logprobs is None:  # (the others did not look)
                 self.prefix_queries += seq.num_tokens
                 self.prefix_hits += num_computed
         if new_blocks > 0:
