@@ -14,6 +14,9 @@ class Logprob:
 
 # Per generated position: token id -> Logprob (the sampled token plus the top-k).
 SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt position: token id -> Logprob (the prompt token plus the top-k); None for the
+# first, which nothing precedes.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -47,3 +50,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = field(default=None)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # SamplingParams.prompt_logprobs' answer (None if not asked); a stream's first output only.
+    prompt_logprobs: PromptLogprobs | None = None

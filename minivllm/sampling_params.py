@@ -5,7 +5,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from numbers import Integral, Real
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Below this temperature sampling is treated as greedy, as in vLLM.
 GREEDY_EPSILON = 1e-5
@@ -93,15 +96,23 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Logprobs of the prompt's tokens (each under the model given the tokens before it), with
+    # this many most likely candidates per position; -1: the whole vocabulary.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Added to a token's logit (clamped to [-100, 100]) before penalties and temperature.
     logit_bias: dict[int, float] | None = None
     # Every other token is masked out (-inf) before anything else edits the logits.
     allowed_token_ids: list[int] | None = None
+    # Words never to generate: a token that would complete one (as the tokenizer writes it,
+    # with or without a leading space) is masked out (-inf), after allowed_token_ids.
+    bad_words: list[str] | None = None
     # The format the output must follow (JSON schema, regex, choice, grammar...); None: free text.
     structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine from the tokenizer / generation config: EOS and friends.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled in by update_from_tokenizer: the token ids of each bad word's spellings.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.stop = _listed([self.stop] if isinstance(self.stop, str) else self.stop)
@@ -115,7 +126,7 @@ class SamplingParams:
             raise ValueError(f"SamplingParams: {message}")
 
         # Types first: a float count or a string number would misbehave further in.
-        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "seed"):
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, Integral)):
                 fail(f"{name} must be an integer, got {value!r}.")
@@ -158,6 +169,14 @@ class SamplingParams:
             fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).")
         if self.logprobs is not None and self.logprobs < 0:
             fail(f"logprobs must be >= 0, got {self.logprobs}.")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
+            fail(f"prompt_logprobs must be >= 0, or -1 for the whole vocabulary, got {self.prompt_logprobs}.")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or any(not isinstance(w, str) for w in self.bad_words):
+                fail(f"bad_words must be a list of strings, got {self.bad_words!r}.")
+            if any(not w.strip() for w in self.bad_words):
+                fail("bad_words must not hold empty (or blank) strings.")
+            self.bad_words = list(self.bad_words)
         if any(not s for s in self.stop):
             fail("stop strings must not be empty.")
         self._validate_logit_bias(fail)
@@ -189,12 +208,25 @@ class SamplingParams:
             bias[token] = min(MAX_ABS_LOGIT_BIAS, max(-MAX_ABS_LOGIT_BIAS, float(value)))
         self.logit_bias = bias
 
+    def update_from_tokenizer(self, tokenizer: "PreTrainedTokenizerBase") -> None:
+        """bad_words_token_ids from bad_words, as vLLM spells them: each word (leading
+        whitespace stripped) as it starts a text, and with a leading space, as it follows another
+        word, where that is another token sequence of the same length."""
+        self.bad_words_token_ids = []
+        for word in self.bad_words or ():
+            alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            self.bad_words_token_ids.append(alone)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                self.bad_words_token_ids.append(spaced)
+
     def check_vocab(self, vocab_size: int) -> None:
         """ValueError naming the first field with a token id outside [0, vocab_size): only the
         engine knows the vocabulary, so this runs where requests are added."""
         for label, ids in (("stop_token_ids", self.stop_token_ids or ()),
                            ("logit_bias keys", self.logit_bias or ()),
-                           ("allowed_token_ids", self.allowed_token_ids or ())):
+                           ("allowed_token_ids", self.allowed_token_ids or ()),
+                           ("bad_words token ids", [t for word in self.bad_words_token_ids for t in word])):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"SamplingParams: {label} {bad[:5]} are outside the vocabulary [0, {vocab_size}).")
@@ -205,9 +237,16 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
     @property
+    def has_bad_word_prefixes(self) -> bool:
+        """Some bad word spans several tokens: whether its last token is masked depends on the
+        tokens generated before it."""
+        return any(len(ids) > 1 for ids in self.bad_words_token_ids)
+
+    @property
     def needs_token_history(self) -> bool:
-        """Sampling reads the sequence's tokens so far (penalties, min_tokens)."""
-        return self.has_penalties or self.min_tokens > 0
+        """Sampling reads the sequence's tokens so far (penalties, min_tokens, bad words of
+        several tokens)."""
+        return self.has_penalties or self.min_tokens > 0 or self.has_bad_word_prefixes
 
 
 def _token_id(key: object) -> int | None:

@@ -33,3 +33,12 @@ def _hf_greedy(model_dir: str, prompt_token_ids: tuple[int, ...], max_tokens: in
         logprobs.append(step_logprobs)
         ids.append(token)
     return tokens, logprobs
+
+
+@functools.lru_cache(maxsize=64)
+@torch.no_grad()
+def hf_prompt_logprobs(model_dir: str, prompt_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """[len(prompt) - 1, V]: row i the log-softmax after the prompt's first i + 1 tokens, the
+    distribution prompt token i + 1 was drawn from."""
+    logits = load_hf_model(model_dir)(torch.tensor([prompt_token_ids])).logits[0, :-1]
+    return torch.log_softmax(logits.float(), dim=-1)

@@ -57,7 +57,9 @@ def first_step_logits(model_dir: str, prompts: list[list[int]], dtype: str, back
     step = SchedulerOutput(list(range(len(prompts))), [len(p) for p in prompts], [0] * len(prompts),
                            [True] * len(prompts), new_seqs)
     runner.update_states(step)
-    return runner.execute_model(runner.prepare_inputs(runner.batch.rows(step))).float()
+    logits, _ = runner.execute_model(runner.prepare_inputs(runner.batch.rows(step)))
+    assert logits is not None
+    return logits.float()
 
 
 def test_bf16_first_step_logits_match_torch_backend(tiny_model_factory) -> None:

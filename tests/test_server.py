@@ -207,6 +207,107 @@ def test_prompt_forms_echo_and_logprobs(server: RemoteServer, offline: LLM) -> N
     assert all(entry.top_logprobs[0].logprob == pytest.approx(entry.logprob) for entry in content)
 
 
+def lm_eval_parse_logprobs(response: dict, ctxlens: list[int]) -> list[tuple[float, bool]]:
+    """What lm-eval 0.4.13's local-completions model reads of a log-likelihood answer
+    (LocalCompletionsAPI.parse_logprobs; it asks echo, logprobs 1, max_tokens 1): per choice,
+    by index, the continuation's summed logprob and whether each of its tokens was the most
+    likely one, from token_logprobs and top_logprobs past the context, the generated token
+    dropped."""
+    results = []
+    for choice, ctxlen in zip(sorted(response["choices"], key=lambda choice: choice["index"]), ctxlens):
+        token_logprobs = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+        top_logprobs = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+        results.append((sum(token_logprobs),
+                        all(token == max(top.values()) for token, top in zip(token_logprobs, top_logprobs))))
+    return results
+
+
+def test_echo_logprobs_score_prompts_as_lm_eval_reads_them(server: RemoteServer, offline: LLM) -> None:
+    """echo + logprobs: the prompt's tokens first (the first one's logprob null), from the
+    prompt logprobs the offline engine computes; lm-eval's request (max_tokens 1) and
+    max_tokens 0 (the prompt alone), streamed or not."""
+    client = server.client()
+    tokenizer = offline.get_tokenizer()
+    contexts, continuation = [tokenizer.encode(p) for p in PROMPTS[:3]], tokenizer.encode(" sat on the mat")
+    prompts = [context + continuation for context in contexts]
+    want = offline.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    lm_eval = client.completions.create(model="tiny", prompt=prompts, temperature=0, max_tokens=1, logprobs=1,
+                                        seed=1234, echo=True).model_dump()
+    parsed = lm_eval_parse_logprobs(lm_eval, [len(context) for context in contexts])
+    for (total, is_greedy), context, output in zip(parsed, contexts, want):
+        positions = output.prompt_logprobs[len(context):]
+        assert total == pytest.approx(sum(p[t].logprob for p, t in zip(positions, continuation)), abs=1e-4)
+        assert is_greedy == all(p[t].rank == 1 for p, t in zip(positions, continuation))
+    scored = client.completions.create(model="tiny", prompt=prompts, temperature=0, max_tokens=0, logprobs=1,
+                                       echo=True).model_dump()
+    for choice, lm_eval_choice, prompt, output in zip(scored["choices"], lm_eval["choices"], prompts, want):
+        logprobs = choice["logprobs"]
+        assert choice["text"] == tokenizer.decode(prompt) == "".join(logprobs["tokens"])
+        assert choice["finish_reason"] == "length"
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        assert logprobs["token_logprobs"][1:] == pytest.approx(
+            [p[t].logprob for p, t in zip(output.prompt_logprobs[1:], prompt[1:])], abs=1e-4)
+        assert logprobs["text_offset"] == [len(tokenizer.decode(prompt[:i])) for i in range(len(prompt))]
+        # max_tokens 1 shows the same, then the generated token.
+        assert {key: value[:len(prompt)] for key, value in lm_eval_choice["logprobs"].items()} == logprobs
+        assert len(lm_eval_choice["logprobs"]["tokens"]) == len(prompt) + 1
+        assert choice["prompt_logprobs"][1][str(prompt[1])]["rank"] == output.prompt_logprobs[1][prompt[1]].rank
+    for max_tokens, whole in ((0, scored), (1, lm_eval)):
+        chunks = [chunk.model_dump() for chunk in client.completions.create(
+            model="tiny", prompt=prompts, temperature=0, max_tokens=max_tokens, logprobs=1, echo=True, stream=True)]
+        for index, choice in enumerate(whole["choices"]):
+            mine = [c for chunk in chunks for c in chunk["choices"] if c["index"] == index]
+            assert "".join(c["text"] for c in mine) == choice["text"]
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                assert [value for c in mine for value in c["logprobs"][key]] == choice["logprobs"][key]
+
+
+def test_prompt_logprobs_bad_words_and_chat_logprobs(server: RemoteServer, offline: LLM) -> None:
+    """vLLM's prompt_logprobs and bad_words extras (completions and chat); chat's logprobs
+    with top_logprobs, streamed or not, as OpenAI shapes them."""
+    client = server.client()
+    prompt = PROMPTS[2]
+    want = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2), use_tqdm=False)[0]
+    response = client.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=4,
+                                         extra_body={"prompt_logprobs": 2}).model_dump()
+    got = response["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(want.prompt_logprobs)
+    for position, expected in zip(got[1:], want.prompt_logprobs[1:]):
+        assert {int(t): (p["rank"], p["decoded_token"]) for t, p in position.items()} == {
+            t: (p.rank, p.decoded_token) for t, p in expected.items()}
+    assert response["choices"][0]["logprobs"] is None  # prompt logprobs alone: not echoed
+    free = greedy_text(offline, prompt, 8)
+    tokenizer = offline.get_tokenizer()
+    # A word the greedy text holds, as a token spelt the way the word alone is.
+    word = next(text for token in tokenizer.encode(free) if (text := tokenizer.decode([token])).isalpha()
+                and tokenizer.encode(text) == [token])
+    banned = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[word])
+    expected_text = offline.generate(prompt, banned, use_tqdm=False)[0].outputs[0].text
+    assert expected_text != free
+    avoided = client.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=8,
+                                        extra_body={**NO_EOS, "bad_words": [word]})
+    assert avoided.choices[0].text == expected_text
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    kwargs = {"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 0, "logprobs": True,
+              "top_logprobs": 3, "extra_body": NO_EOS}
+    chat = client.chat.completions.create(**{**kwargs, "extra_body": {**NO_EOS, "prompt_logprobs": 1}})
+    offline_chat = offline.chat(messages, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3,
+                                                         prompt_logprobs=1), use_tqdm=False)[0]
+    content = chat.choices[0].logprobs.content
+    expected = offline_chat.outputs[0]
+    assert "".join(entry.token for entry in content) == chat.choices[0].message.content == expected.text
+    for entry, token, position in zip(content, expected.token_ids, expected.logprobs):
+        assert entry.logprob == pytest.approx(position[token].logprob, abs=1e-4)
+        assert entry.bytes == list(entry.token.encode())
+        top = sorted((p for p in position.values() if p.rank <= 3), key=lambda p: p.rank)
+        assert [t.token for t in entry.top_logprobs] == [p.decoded_token for p in top]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx([p.logprob for p in top], abs=1e-4)
+    assert len(chat.model_extra["prompt_logprobs"]) == len(offline_chat.prompt_token_ids)
+    streamed = [chunk.choices[0].logprobs for chunk in client.chat.completions.create(**kwargs, stream=True)]
+    assert [entry for logprobs in streamed if logprobs for entry in logprobs.content] == content
+
+
 def test_tokenize_detokenize(server: RemoteServer, offline: LLM) -> None:
     tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPTS[0]}).json()
     assert tokens["tokens"] == offline.get_tokenizer().encode(PROMPTS[0])
@@ -273,6 +374,10 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server: RemoteServer,
         (httpx.post(url, json={**good, "stream_options": {"include_usage": True}}), 400, "stream=true"),
         (httpx.post(url, json={**good, "best_of": 3}), 400, "best_of"),
         (httpx.post(url, json={**good, "logprobs": 21}), 400, "logprobs"),
+        (httpx.post(url, json={**good, "prompt_logprobs": -1}), 400, "prompt_logprobs"),
+        (httpx.post(url, json={**good, "prompt_logprobs": 1, "stream": True}), 400, "stream=true"),
+        (httpx.post(url, json={**good, "bad_words": [""]}), 400, "bad_words"),
+        (httpx.post(url, json={**good, "max_tokens": 0}), 400, "max_tokens"),
         (httpx.post(chat_url, json={**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}),
          400, "tools"),
         (httpx.post(chat_url, json={**chat, "response_format": {"type": "xml"}}), 400, "response_format"),
@@ -299,8 +404,8 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server: RemoteServer,
     # A refused list of prompts queued none of them (nothing was aborted).
     assert server.metrics().get("vllm:request_success_total", 0) == aborts_before + len(cases)
     # Sampling errors name their field.
-    response = httpx.post(url, json={**good, "top_p": 0})
-    assert response.json()["error"]["param"] == "top_p"
+    for field, value in (("top_p", 0), ("prompt_logprobs", -1), ("bad_words", [" "]), ("max_tokens", 0)):
+        assert httpx.post(url, json={**good, field: value}).json()["error"]["param"] == field
     # The length error names the tokens asked for.
     too_long = httpx.post(url, json={**good, "prompt": long_prompt})
     assert f"has {MAX_MODEL_LEN} input tokens" in openai_error(too_long, 400)

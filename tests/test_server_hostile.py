@@ -223,6 +223,8 @@ _WRONG_VALUES: dict[str, list[Any]] = {
     "best_of": [3, "x"],
     "logit_bias": [{"x": 5}, {"1": "a"}, {"1": float("inf")}, {str(10**9): 5}, 5],
     "allowed_token_ids": [[], ["x"], [10**9], [-1], 5],
+    "prompt_logprobs": [-1, 21, "3", True],
+    "bad_words": ["x", [5], [""], 5],
     "top_logprobs": [2, 50, "x"],
     "tools": [[{"type": "function", "function": {"name": "f"}}], 5],
     "response_format": [{"type": "xml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {
@@ -236,7 +238,8 @@ _WRONG_VALUES: dict[str, list[Any]] = {
 _COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                       "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
                       "stream", "stream_options", "ignore_eos", "min_tokens", "echo", "best_of", "logit_bias",
-                      "allowed_token_ids", "response_format", "structured_outputs"]
+                      "allowed_token_ids", "response_format", "structured_outputs", "prompt_logprobs",
+                      "bad_words"]
 _CHAT_FIELDS = [f for f in _COMPLETION_FIELDS if f not in ("prompt", "logprobs", "echo")] + [
     "messages", "top_logprobs", "tools", "chat_template_kwargs", "chat_template",
     "continue_final_message", "add_generation_prompt"]

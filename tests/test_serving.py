@@ -17,8 +17,8 @@ TEXTS = ["", " the", 'quote " and \\ backslash', "line\nbreak\ttab\r", "\x00\x1f
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_chunk_templates_are_the_chunk_json(text: str) -> None:
-    completion = _CompletionResponse("cmpl-1", "tiny", CompletionRequest(prompt=["w", "x", "y", "z"]), 1, [""] * 4,
-                                     [])
+    completion = _CompletionResponse("cmpl-1", "tiny", CompletionRequest(prompt=["w", "x", "y", "z"]), 1, [], [],
+                                     str)
     chat = _ChatResponse("chatcmpl-1", "tiny", None, 1, [])
     running = (0, text, [5], None, None, None, None)  # CompletionOutput's fields
     for response in (completion, chat):
@@ -30,10 +30,11 @@ def test_chunk_templates_are_the_chunk_json(text: str) -> None:
 def test_chunks_that_leave_the_template() -> None:
     """Finished choices, logprobs and echo are encoded from their dict."""
     finished = (0, "end", [5], None, None, "stop", "###")
-    response = _CompletionResponse("cmpl-1", "tiny", CompletionRequest(prompt="x"), 1, [""], [])
+    response = _CompletionResponse("cmpl-1", "tiny", CompletionRequest(prompt="x"), 1, [], [], str)
     assert json.loads(response.chunk_json(0, finished)) == {"index": 0, "text": "end", "logprobs": None,
                                                             "finish_reason": "stop", "stop_reason": "###"}
-    echo = _CompletionResponse("cmpl-1", "tiny", CompletionRequest(prompt="x", echo=True), 1, ["Hi"], [])
+    echo = _CompletionResponse("cmpl-1", "tiny", CompletionRequest(prompt="x", echo=True), 1, [("Hi", [7])], [],
+                               str)
     running = (0, " there", [5], None, None, None, None)
     assert json.loads(echo.chunk_json(0, running))["text"] == "Hi there"
     assert json.loads(echo.chunk_json(0, running))["text"] == " there"  # the prompt only once
@@ -52,9 +53,9 @@ def test_tokenizer_config_as_json() -> None:
 def test_an_engine_error_is_a_500() -> None:
     """finish_reason "error" (vLLM's request-level internal error, a grammar that did not
     compile here) ends the response with a 500, as vLLM answers it."""
-    response = _CompletionResponse("cmpl-1", "tiny", CompletionRequest(prompt="x"), 1, [""], [])
+    response = _CompletionResponse("cmpl-1", "tiny", CompletionRequest(prompt="x"), 1, [], [], str)
     response.prompts = {"cmpl-1-0": (0, 1)}
-    failed = ("cmpl-1-0", [(0, "", [], None, None, "error", None)], True, (None, None, None), 0)
+    failed = ("cmpl-1-0", [(0, "", [], None, None, "error", None)], True, (None, None, None), 0, None)
     with pytest.raises(OpenAIError) as error:
         response.deltas([failed])
     assert error.value.status == 500
@@ -72,5 +73,5 @@ def test_response_format_and_structured_outputs_make_one_constraint() -> None:
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], response_format={"type": "json_object"})
     assert chat.structured_outputs_params() == StructuredOutputsParams(json_object=True)
     regex = CompletionRequest(prompt="x", structured_outputs={"regex": "a+"})
-    assert regex.sampling_params(4, None, {}).structured_outputs == StructuredOutputsParams(regex="a+")
+    assert regex.sampling_params(4, None, None, {}).structured_outputs == StructuredOutputsParams(regex="a+")
     assert regex.structured_outputs_field == "structured_outputs"

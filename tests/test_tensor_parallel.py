@@ -14,7 +14,7 @@ import torch
 
 from minivllm import SamplingParams, StructuredOutputsParams
 from minivllm.outputs import RequestOutput
-from tests.hf_oracle import hf_greedy
+from tests.hf_oracle import hf_greedy, hf_prompt_logprobs
 from tests.test_generate_hf import expected, make_llm, mixed_prompts, run, vocab
 from tests.test_qwen3_moe import VARIANTS
 
@@ -63,6 +63,8 @@ def test_chunked_prefill_and_preemption_match_tp1_and_hf(name: str, tiny_model_f
 
 
 def test_plain_logprobs_and_shutdown(tiny_model_factory) -> None:
+    """Also prompt logprobs: chunked, their logits in slices of 4 positions (max_num_seqs),
+    each slice gathered from both ranks."""
     model_dir = tiny_model_factory("Qwen3ForCausalLM")
     prompts = mixed_prompts(vocab(model_dir), seed=8)
     want = expected(model_dir, prompts)
@@ -72,7 +74,7 @@ def test_plain_logprobs_and_shutdown(tiny_model_factory) -> None:
     guided = SamplingParams(temperature=1.0, seed=2, n=2, max_tokens=20,
                             structured_outputs=StructuredOutputsParams(regex="[a-z]{2,4}-[0-9]{1,2}"))
     guided_want = tokens_of(make_llm(model_dir).generate(prompts[:3], guided, use_tqdm=False))
-    llm = make_llm(model_dir, tensor_parallel_size=2)
+    llm = make_llm(model_dir, tensor_parallel_size=2, max_num_seqs=4, max_num_batched_tokens=13)
     try:
         assert run(llm, prompts) == want
         assert tokens_of(llm.generate(prompts[:3], guided, use_tqdm=False)) == guided_want
@@ -82,6 +84,14 @@ def test_plain_logprobs_and_shutdown(tiny_model_factory) -> None:
         for position, ref in zip(out.logprobs, want_logprobs):
             for token_id, logprob in position.items():
                 assert abs(logprob.logprob - float(ref[token_id])) < 1e-4  # fp32 tolerance
+        long_prompt = prompts[8]
+        params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+        scored = llm.generate({"prompt_token_ids": long_prompt}, params, use_tqdm=False)[0].prompt_logprobs
+        assert scored is not None and len(scored) == len(long_prompt)
+        for position, ref, token in zip(scored[1:], hf_prompt_logprobs(model_dir, tuple(long_prompt)), long_prompt[1:]):
+            assert position is not None and token in position and len(position) >= 2
+            for token_id, logprob in position.items():
+                assert abs(logprob.logprob - float(ref[token_id])) < 1e-4
         with pytest.raises(ValueError, match="shut it down"):
             make_llm(model_dir)  # its layers would join the running engine's collectives
         assert len(mp.active_children()) == 1

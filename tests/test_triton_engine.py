@@ -115,8 +115,8 @@ def test_padded_steps_compute_what_unpadded_steps_do(model_dir: str, few_seqs: i
         samples = [computed[i] + n == len(states[i].token_ids) for i, n in zip(order, new_tokens)]
         rows = runner.batch.rows(SchedulerOutput(order, new_tokens, [computed[i] for i in order], samples))
         shapes.append(graphs.padded_shape(rows.num_tokens, len(rows.states), rows.num_decodes))
-        eager = runner.execute_model(runner.prepare_inputs(rows))
-        padded = runner.execute_model(runner.prepare_inputs(rows, shapes[-1]))
+        eager, _ = runner.execute_model(runner.prepare_inputs(rows))
+        padded, _ = runner.execute_model(runner.prepare_inputs(rows, shapes[-1]))
         # fp32 on the CPU: torch's GEMMs may round differently for 3 rows than for 4 (a few
         # 1e-5 on these logits); a padding error moves logits by orders of magnitude more.
         torch.testing.assert_close(padded, eager, atol=1e-4, rtol=1e-4)

@@ -35,7 +35,7 @@ from minivllm.config import EngineConfig, cpu_threads
 from minivllm.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.metrics import EngineStats, ServingMetrics
-from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, SampleLogprobs
+from minivllm.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -50,9 +50,10 @@ _STOP_TIMEOUT_S = 30.0
 # unpickling them) costs several times as much. The server reads them as they are; other
 # callers get RequestOutputs (RequestStream.next_batch).
 # (request_id, completions, finished, (first_scheduled_time, first_token_time, finished_time),
-# num_cached_tokens); a completion is CompletionOutput's fields in order.
+# num_cached_tokens, prompt_logprobs); a completion is CompletionOutput's fields in order.
 WireCompletion = tuple[int, str, list[int], float | None, SampleLogprobs | None, str | None, int | str | None]
-WireOutput = tuple[str, list[WireCompletion], bool, tuple[float | None, float | None, float | None], int]
+WireOutput = tuple[str, list[WireCompletion], bool, tuple[float | None, float | None, float | None], int,
+                   PromptLogprobs | None]
 
 
 class EngineDeadError(RuntimeError):
@@ -109,7 +110,7 @@ class RequestStream:
             self._waiter = self._loop.create_future()
             await self._waiter
         outputs, self._outputs = self._outputs, []
-        _, _, self.finished, _, _ = outputs[-1]
+        _, _, self.finished, _, _, _ = outputs[-1]
         return outputs
 
     async def next_batch(self) -> list[RequestOutput]:
@@ -117,12 +118,12 @@ class RequestStream:
         return [self.request_output(output) for output in await self.next_wire_batch()]
 
     def request_output(self, output: WireOutput) -> RequestOutput:
-        request_id, completions, finished, times, num_cached_tokens = output
+        request_id, completions, finished, times, num_cached_tokens, prompt_logprobs = output
         metrics = self.metrics
         metrics.first_scheduled_time, metrics.first_token_time, metrics.finished_time = times
         return RequestOutput(request_id, self.prompt, self.prompt_token_ids,
                              list(itertools.starmap(CompletionOutput, completions)), finished, metrics,
-                             num_cached_tokens)
+                             num_cached_tokens, prompt_logprobs)
 
     async def batches(self) -> AsyncIterator[list[RequestOutput]]:
         """The outputs in next_batch's lists."""
@@ -311,7 +312,7 @@ class AsyncLLM:
         self.metrics.on_outputs(outputs, time.time())  # skips those of requests aborted meanwhile
         streams = self._streams
         for output in outputs:
-            request_id, _, finished, _, _ = output
+            request_id, _, finished, _, _, _ = output
             stream = streams.get(request_id)
             if stream is None:  # aborted meanwhile
                 continue
@@ -429,7 +430,7 @@ def to_wire(output: RequestOutput) -> WireOutput:
             [(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason)
              for c in output.outputs],
             output.finished, (metrics.first_scheduled_time, metrics.first_token_time, metrics.finished_time),
-            output.num_cached_tokens)
+            output.num_cached_tokens, output.prompt_logprobs)
 
 
 def _apply_commands(engine: LLMEngine, commands: Connection) -> bool:

@@ -50,7 +50,8 @@ class InputProcessor:
     def process(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids). Raises ValueError on bad input."""
         prompt_text, prompt_token_ids = self._tokenize(prompt)
-        self._validate(prompt_token_ids, params)
+        self._validate(prompt_token_ids)
+        self.check_params(params)
         return prompt_text, prompt_token_ids
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -70,7 +71,7 @@ class InputProcessor:
         raise ValueError(f"Unsupported prompt type {type(prompt).__name__}: pass a string, a list of "
                          "token ids, or {'prompt_token_ids': [...]}.")
 
-    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, prompt_token_ids: list[int]) -> None:
         max_len = self.config.max_model_len
         if not prompt_token_ids:
             raise ValueError("The prompt is empty: give at least one token.")
@@ -82,14 +83,25 @@ class InputProcessor:
         if not _all_in_range(prompt_token_ids, vocab_size):
             bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
             raise ValueError(f"Prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size}).")
-        if params.logprobs is not None and params.logprobs > vocab_size:
-            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab_size}.")
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What only the model and tokenizer can tell of params (token ids, bad words); fills
+        params.bad_words_token_ids. Raises ValueError, its message starting with the field."""
+        vocab_size = self.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab_size:
+                raise ValueError(f"{name} ({value}) exceeds the vocabulary size {vocab_size}.")
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need the tokenizer, which skip_tokenizer_init=True leaves out.")
+            params.update_from_tokenizer(self.tokenizer)
         params.check_vocab(vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer, which skip_tokenizer_init=True leaves out: "
                              "use stop_token_ids instead.")
         if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}.")
+            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs}).")
         if params.structured_outputs is not None:
             if self.tokenizer is None:
                 raise ValueError("structured outputs need the tokenizer, which skip_tokenizer_init=True leaves out.")

@@ -105,8 +105,9 @@ class KVCacheManager:
         return other.block_hashes[:shared // bs]
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest cached prefix of seq, always leaving one token to compute."""
-        if not self.enable_prefix_caching:
+        """Block ids of the longest cached prefix of seq, always leaving one token to compute;
+        none for a sequence that computes its prompt's logprobs."""
+        if not self.enable_prefix_caching or seq.num_prompt_logprobs is not None:
             return []
         # The last token must be computed to produce logits, so it never comes from the cache.
         max_blocks = (seq.num_tokens - 1) // self.block_size
@@ -149,7 +150,7 @@ class KVCacheManager:
                 ref_counts[block_id] = count + 1
             seq.block_table = list(cached_prefix)
             seq.num_computed_tokens = num_computed
-            if self.enable_prefix_caching:
+            if self.enable_prefix_caching and seq.num_prompt_logprobs is None:  # (the others did not look)
                 self.prefix_queries += seq.num_tokens
                 self.prefix_hits += num_computed
         if new_blocks > 0:

@@ -16,9 +16,9 @@ from minivllm.engine.kv_cache_manager import KVCacheManager
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.structured_outputs import StructuredOutputManager
-from minivllm.executor.model_runner import ModelRunner, StepHandle
+from minivllm.executor.model_runner import ModelRunner, StepHandle, TokenLogprobs
 from minivllm.executor.worker import Workers
-from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from minivllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 # New container objects between two young-generation collections while an engine lives
@@ -60,10 +60,20 @@ class Request:
     stream: bool  # outputs carry only what is new since the last one
     # For streaming: how many tokens / logprobs of each sample were already sent.
     num_sent_tokens: list[int] = field(default_factory=list)
+    # With params.prompt_logprobs: those of prompt positions 1.. as they come in (the first
+    # sample's prefill computes them), and whether an output carried them (a stream's first).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
+
+    @property
+    def awaits_prompt_logprobs(self) -> bool:
+        """It asks for prompt logprobs and some are not in yet."""
+        return (self.params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
 
 
 class LLMEngine:
@@ -142,10 +152,15 @@ class LLMEngine:
         params.all_stop_token_ids = set(params.stop_token_ids or ()) | (
             set() if params.ignore_eos else self.eos_token_ids)
         seqs, detokenizers = [], []
+        num_prompt_logprobs = params.prompt_logprobs
+        if num_prompt_logprobs == -1:
+            num_prompt_logprobs = self.input_processor.vocab_size
         for index in range(params.n):
             # Each sample has its own random stream, so a seeded request is batch-independent.
             seed = None if params.seed is None else params.seed + index
-            seqs.append(Sequence(request_id, index, prompt_token_ids, params, seed))
+            # The prompt logprobs are the request's: the first sample's prefill computes them.
+            seqs.append(Sequence(request_id, index, prompt_token_ids, params, seed,
+                                 num_prompt_logprobs if index == 0 else None))
             # Text is needed step by step only to stream it or to find stop strings; other
             # requests are detokenized once, at the end (off the per-step path).
             incremental = stream or bool(params.stop)
@@ -302,16 +317,21 @@ class LLMEngine:
         return outputs
 
     def _needs_known_tokens(self) -> bool:
-        """Penalties and min_tokens read a sequence's latest tokens: wait for them."""
-        return any(seq.needs_token_history and (seq.params.has_penalties
-                                                or 0 < seq.num_output_tokens <= seq.params.min_tokens)
-                   for seq in self.scheduler.running)
+        """Penalties, min_tokens and bad words of several tokens read a sequence's latest
+        tokens: wait for them."""
+        return any(seq.needs_token_history and (
+            seq.params.has_penalties or 0 < seq.num_output_tokens <= seq.params.min_tokens
+            or (seq.num_output_tokens > 0 and seq.params.has_bad_word_prefixes)) for seq in self.scheduler.running)
 
     def _finish_step(self, handle: StepHandle) -> list[RequestOutput]:
         advanced: dict[str, Request] = {}
         now = time.time()
         sampled = self.model_runner.collect(handle)
         guided = self.structured_outputs.guided
+        for seq_id, positions in sampled.prompt_logprobs:  # before the tokens: a request may finish
+            prompt_seq = self.seqs.get(seq_id)
+            if prompt_seq is not None and not prompt_seq.is_finished:
+                self.requests[prompt_seq.request_id].prompt_logprobs += positions
         for seq, token, token_logprobs in zip(map(self.seqs.get, sampled.seq_ids), sampled.token_ids,
                                               sampled.logprobs):
             # Finished or aborted meanwhile (None: its whole request is gone): drop the token.
@@ -339,7 +359,7 @@ class LLMEngine:
             if request.finished:
                 request.metrics.finished_time = now
                 self._forget(request)
-            elif not request.stream:
+            elif not request.stream or request.awaits_prompt_logprobs:  # a stream's first output carries them
                 continue
             outputs.append(self._make_output(request, final_texts))
         return outputs
@@ -399,8 +419,27 @@ class LLMEngine:
                 index=seq.index, text=text, token_ids=seq.output_token_ids[start:],
                 cumulative_logprob=seq.cumulative_logprob if request.params.logprobs is not None else None,
                 logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        prompt_logprobs = None
+        if request.params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            prompt_logprobs = self._prompt_logprobs(request)
+            request.prompt_logprobs_sent = True
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             request.finished, request.metrics, request.seqs[0].num_cached_tokens)
+                             request.finished, request.metrics, request.seqs[0].num_cached_tokens, prompt_logprobs)
+
+    def _prompt_logprobs(self, request: Request) -> PromptLogprobs:
+        """As vLLM's RequestOutput.prompt_logprobs: None for the first prompt token (nothing
+        precedes it), then per position its token and the top candidates, decoded."""
+        positions = request.prompt_logprobs
+        texts = self._decode_tokens({token for position in positions for token in position})
+        return [None, *({token: Logprob(value, rank, texts.get(token)) for token, (value, rank) in position.items()}
+                        for position in positions)]
+
+    def _decode_tokens(self, token_ids: set[int]) -> dict[int, str]:
+        """Each token's text alone (none without a tokenizer), decoded in one batch."""
+        if self.tokenizer is None:
+            return {}
+        ids = list(token_ids)
+        return dict(zip(ids, self.tokenizer.batch_decode([[token] for token in ids])))
 
     def _final_texts(self, finished: list[tuple[Request, Sequence]]) -> dict[int, str]:
         """The whole output text of each of these finished sequences (each with its request),

@@ -83,7 +83,7 @@ class ServingMetrics:
         requests = self._requests
         inter_token_latencies = []
         num_tokens = 0
-        for request_id, completions, finished, times, _ in outputs:
+        for request_id, completions, finished, times, _, _ in outputs:
             request = requests.get(request_id)
             if request is None:
                 continue

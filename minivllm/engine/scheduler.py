@@ -52,7 +52,7 @@ class _StepBuilder:
         if len(table) > sent:  # (a decode inside its last block, the common row, skips this)
             if sent < 0:
                 self.new_seqs.append(NewSequenceData(seq.seq_id, seq.prompt_token_ids, seq.params, seq.seed,
-                                                     table[:]))
+                                                     table[:], seq.num_prompt_logprobs))
             else:
                 self.block_updates.append((seq.seq_id, sent, table[sent:]))
             seq.runner_blocks = len(table)

@@ -36,6 +36,8 @@ class NewSequenceData:
     # sample does not depend on the rest of the batch; None: the default generator.
     seed: int | None
     block_ids: list[int]  # its block table
+    # Top candidates per prompt position whose logprobs its prefill computes; None: none.
+    num_prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

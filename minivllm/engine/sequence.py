@@ -16,7 +16,7 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int],
-                 params: SamplingParams, seed: int | None = None) -> None:
+                 params: SamplingParams, seed: int | None = None, num_prompt_logprobs: int | None = None) -> None:
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
         self.index = index  # which of the request's n samples
@@ -25,6 +25,10 @@ class Sequence:
         # once here, since every step asks it of every running sequence.
         self.needs_token_history = params.needs_token_history
         self.seed = seed  # of its own random stream (the runner's generator); None: unseeded
+        # Candidates per prompt position whose logprobs this sequence's prefill computes (the
+        # request's first sample only); None: none. Such a sequence computes its whole prompt:
+        # it takes no prefix-cache hits (its blocks are cached for others all the same).
+        self.num_prompt_logprobs = num_prompt_logprobs
         # The prompt as given (the request's list, which nothing changes) and the known tokens.
         self.prompt_token_ids = prompt_token_ids
         self.token_ids: list[int] = list(prompt_token_ids)  # known tokens only

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
+import numpy as np
 import torch
 
 from minivllm.attention.metadata import AttentionMetadata
@@ -26,12 +27,12 @@ from minivllm.engine.scheduler_output import GrammarBitmask, NewSequenceData, Sc
 from minivllm.executor.cuda_graphs import GraphShape, StepGraphs
 from minivllm.executor.input_buffers import InputBuffers
 from minivllm.executor.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_kv_blocks, release_kv_cache
-from minivllm.executor.persistent_batch import PersistentBatch, SequenceState, StepRows
+from minivllm.executor.persistent_batch import PersistentBatch, PromptLogprobRows, SequenceState, StepRows
 from minivllm.executor.step_inputs import CASCADE_MIN_SEQS, ModelInputs, StepInputs, prepare_step_inputs
 from minivllm.layers.attention import AttentionBackend
 from minivllm.layers.custom_op import use_triton_kernels
 from minivllm.layers.linear import choose_small_batch_kernels
-from minivllm.layers.sampler import Sampler, SamplingMetadata, apply_token_bitmask
+from minivllm.layers.sampler import Sampler, SamplingMetadata, apply_token_bitmask, gather_logprobs, to_device
 from minivllm.loader import init_dummy_weights, load_weights
 from minivllm.models.registry import build_model
 from minivllm.sampling_params import SamplingParams
@@ -42,38 +43,49 @@ if TYPE_CHECKING:  # imports Triton: the torch path must not
 logger = logging.getLogger(__name__)
 
 
-# Token id -> (logprob, rank) for the sampled token and the top-k at one position.
+# Token id -> (logprob, rank) for the sampled (or prompt) token and the top-k at one position.
 TokenLogprobs = dict[int, tuple[float, int]]
+# Host copies of gather_logprobs' results for some positions: token ids [P, 1 + k] (the chosen
+# token, then the top k), their logprobs, and the chosen token's rank [P].
+LogprobTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
 class StepHandle:
-    """A launched step that samples: its sampled sequences, in the scheduler's order, and
-    the host copies of its outputs, valid once `done` has completed (None on CPU, where
-    everything is synchronous)."""
+    """A launched step with results to read back: its sampled sequences, in the scheduler's
+    order, and the host copies of its outputs; and the prompt logprobs it computes. Valid once
+    `done` has completed (None on CPU, where everything is synchronous)."""
 
     seq_ids: list[int]
     states: list[SequenceState]  # collect appends each one's token
-    host: list[torch.Tensor]  # sampled ids, then logprob ids, logprobs, ranks if asked
+    host: list[torch.Tensor]  # sampled ids, then logprob ids, logprobs, ranks if asked; [] if none sampled
+    prompt_logprobs: PromptLogprobRows | None
+    prompt_host: list[LogprobTensors]  # prompt_logprobs' positions, a slice each (execute_model)
     done: "torch.cuda.Event | None"
 
 
 @dataclass(frozen=True, slots=True)
 class ForwardPass:
-    """A step whose forward pass is queued and whose rows sample (launch_forward): its rows and
-    the sampled rows' logits on the device, in the scheduler's order."""
+    """A step whose forward pass is queued (launch_forward), with rows that sample or prompt
+    logprobs: its rows, the sampled rows' logits on the device in the scheduler's order (None
+    when no row samples), and the prompt logprobs it computes (StepHandle's)."""
 
     rows: StepRows
-    logits: torch.Tensor
+    logits: torch.Tensor | None
+    prompt_logprobs: PromptLogprobRows | None
+    prompt_host: list[LogprobTensors]
 
 
 @dataclass(frozen=True, slots=True)
 class SampledTokens:
-    """A collected step: a row per sampled sequence, in the scheduler's order."""
+    """A collected step: a row per sampled sequence, in the scheduler's order; and per
+    sequence whose prompt logprobs the step computed, its id and those positions' logprobs,
+    in prompt order (each position's dict holds the prompt token that follows it)."""
 
     seq_ids: list[int]
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]  # None where the sequence asked for none
+    prompt_logprobs: list[tuple[int, list[TokenLogprobs]]]
 
 
 class OtherRanks(Protocol):
@@ -263,10 +275,12 @@ class ModelRunner:
         finished sequences (PersistentBatch.update)."""
         self.batch.update(out)
 
-    def prepare_inputs(self, rows: StepRows, graph: GraphShape | None = None) -> StepInputs:
+    def prepare_inputs(self, rows: StepRows, graph: GraphShape | None = None,
+                       prompt_logprobs: PromptLogprobRows | None = None) -> StepInputs:
         """Write the step into the next host buffer set (step_inputs.prepare_step_inputs)."""
         return prepare_step_inputs(rows, self.buffers.next_host(), self.block_size, self.last_sampled_rows,
-                                   detect_cascade=self.config.kernels == "triton", graph=graph)
+                                   detect_cascade=self.config.kernels == "triton", graph=graph,
+                                   prompt_logprobs=prompt_logprobs)
 
     def _upload(self, step: StepInputs) -> ModelInputs:
         """Queue the copies of the step's host rows to the device; the step's device inputs."""
@@ -293,9 +307,10 @@ class ModelRunner:
         return inputs
 
     @torch.inference_mode()
-    def execute_model(self, step: StepInputs) -> torch.Tensor | None:
-        """Run a prepared step's forward pass: logits of its sampled rows on rank 0; None
-        on other ranks, or when no row samples. Every rank runs this for every step."""
+    def execute_model(self, step: StepInputs) -> tuple[torch.Tensor | None, list[LogprobTensors]]:
+        """Run a prepared step's forward pass. On rank 0: the logits of its sampled rows (None
+        when no row samples) and its prompt logprobs (_prompt_logprobs); (None, []) on other
+        ranks. Every rank runs this for every step."""
         inputs = self._upload(step)
         if step.graph is not None:
             assert self.graphs is not None  # steps get a graph shape only from self.graphs
@@ -304,9 +319,31 @@ class ModelRunner:
             hidden = self.graphs.replay(step.graph, step.graph_kind)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        prompt_logprobs = [] if step.prompt_logprobs is None else self._prompt_logprobs(hidden, step.prompt_logprobs)
         if not len(inputs.logits_indices):
-            return None
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+            return None, prompt_logprobs
+        return self.model.compute_logits(hidden[inputs.logits_indices]), prompt_logprobs
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: PromptLogprobRows) -> list[LogprobTensors]:
+        """The raw model's logprobs at the prompt positions `rows` names, as gather_logprobs
+        gives them (the prompt token that follows each position, then the top candidates), in
+        slices of max_num_seqs positions: the sampler's largest working set, which start-up
+        profiling left memory for (a long prompt's logits at once would take gigabytes). Per
+        slice, host copies, started (collect waits for them). Every rank computes the logits
+        (the LM head gathers them to rank 0); other ranks return []."""
+        hidden_rows, target_ids = to_device(np.stack((rows.hidden_rows, rows.target_ids)), self.device)
+        num_logprobs = max(rows.num_logprobs)
+        slice_rows = self.config.max_num_seqs
+        host = []
+        for start in range(0, len(target_ids), slice_rows):
+            positions = slice(start, start + slice_rows)
+            logits = self.model.compute_logits(hidden[hidden_rows[positions]])
+            if logits is None:  # not rank 0
+                continue
+            found = gather_logprobs(torch.log_softmax(logits.float(), dim=-1), target_ids[positions], num_logprobs)
+            ids, logprobs, ranks = (tensor.to("cpu", non_blocking=True) for tensor in found)
+            host.append((ids, logprobs, ranks))
+        return host
 
     def execute_shipped(self, step: StepInputs) -> None:
         """On ranks 1..N-1: rank 0's prepared step, copied into this rank's host buffers, then run."""
@@ -322,29 +359,31 @@ class ModelRunner:
 
     def launch(self, out: SchedulerOutput) -> StepHandle | None:
         """Take in the scheduler's changes (update_states), then queue the step's forward pass
-        and sampling on the device; don't wait for them. None when nothing samples."""
+        and sampling on the device; don't wait for them. None when nothing samples and no
+        prompt logprobs are computed."""
         forward = self.launch_forward(out)
         return None if forward is None else self.launch_sampling(forward)
 
     @torch.inference_mode()
     def launch_forward(self, out: SchedulerOutput) -> ForwardPass | None:
         """launch's first half: take in the scheduler's changes and queue the forward pass;
-        None when nothing samples. The engine reads the previous step back meanwhile, then
-        calls launch_sampling (with the grammar bitmask those tokens decide)."""
+        None when nothing samples and no prompt logprobs are computed. The engine reads the
+        previous step back meanwhile, then calls launch_sampling (with the grammar bitmask
+        those tokens decide)."""
         self.update_states(out)
         if not out.seq_ids:
             return None
         rows = self.batch.rows(out)
+        prompt_logprobs = self.batch.prompt_logprob_rows(rows)
         graph = (self.graphs.padded_shape(rows.num_tokens, len(rows.states), rows.num_decodes)
                  if self.graphs else None)
-        step = self.prepare_inputs(rows, graph)
+        step = self.prepare_inputs(rows, graph, prompt_logprobs)
         if self.workers is not None:
             self.workers.call("execute_shipped", step)
-        logits = self.execute_model(step)
-        if not rows.sampled_ids:
+        logits, prompt_host = self.execute_model(step)
+        if not rows.sampled_ids and prompt_logprobs is None:
             return None
-        assert logits is not None  # rank 0, and rows sample
-        return ForwardPass(rows, logits)
+        return ForwardPass(rows, logits, prompt_logprobs, prompt_host)
 
     @torch.inference_mode()
     def launch_sampling(self, forward: ForwardPass, grammar: GrammarBitmask | None = None) -> StepHandle:
@@ -352,66 +391,80 @@ class ModelRunner:
         forbids at -inf first) and the copies of its results; don't wait for them."""
         rows, logits = forward.rows, forward.logits
         sampled_ids = rows.sampled_ids
-        if grammar is not None:
-            # (Every sampled row guided: no row index to copy and gather by.)
-            guided_rows = None if len(grammar.rows) == len(sampled_ids) else grammar.rows
-            apply_token_bitmask(logits, grammar.bitmask, guided_rows)
-        sampled = self.sampler(logits, self._sampling_metadata(rows))
-        # The next step reads these on the device, for sequences whose token is still pending.
-        self.last_sampled = sampled.sampled_token_ids
-        self.last_sampled_rows = rows.sampled_row_of
-        # Two pinned buffers in turn: a step's tokens are read after the next step is launched.
-        self._token_buffer = 1 - self._token_buffer
-        host = [self._sampled_host[self._token_buffer][:len(sampled_ids)]]
-        host[0].copy_(sampled.sampled_token_ids, non_blocking=True)
-        if sampled.logprobs is not None:
-            host += [tensor.to("cpu", non_blocking=True)
-                     for tensor in (sampled.logprob_token_ids, sampled.logprobs, sampled.sampled_token_ranks)]
+        host = []
+        if sampled_ids:
+            assert logits is not None  # rank 0, with sampled rows
+            if grammar is not None:
+                # (Every sampled row guided: no row index to copy and gather by.)
+                guided_rows = None if len(grammar.rows) == len(sampled_ids) else grammar.rows
+                apply_token_bitmask(logits, grammar.bitmask, guided_rows)
+            sampled = self.sampler(logits, self._sampling_metadata(rows))
+            # The next step reads these on the device, for sequences whose token is still pending.
+            self.last_sampled = sampled.sampled_token_ids
+            self.last_sampled_rows = rows.sampled_row_of
+            # Two pinned buffers in turn: a step's tokens are read after the next step is launched.
+            self._token_buffer = 1 - self._token_buffer
+            host = [self._sampled_host[self._token_buffer][:len(sampled_ids)]]
+            host[0].copy_(sampled.sampled_token_ids, non_blocking=True)
+            if sampled.logprobs is not None:
+                host += [tensor.to("cpu", non_blocking=True)
+                         for tensor in (sampled.logprob_token_ids, sampled.logprobs, sampled.sampled_token_ranks)]
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return StepHandle(sampled_ids, rows.sampled, host, done)
+        return StepHandle(sampled_ids, rows.sampled, host, forward.prompt_logprobs, forward.prompt_host, done)
 
     def collect(self, handle: StepHandle) -> SampledTokens:
         """Wait for a launched step: its sampled tokens and logprobs. Each token joins its
         sequence's token ids here (the inputs of later steps, the history sampling reads)."""
         if handle.done is not None:
             handle.done.synchronize()
-        token_ids = handle.host[0].tolist()
+        token_ids: list[int] = handle.host[0].tolist() if handle.host else []
         for state, token in zip(handle.states, token_ids):
             state.token_ids.append(token)
         logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
         if len(handle.host) > 1:
             ids, values, ranks = (tensor.tolist() for tensor in handle.host[1:])
-            logprobs = self._logprob_dicts(handle.states, ids, values, ranks)
-        return SampledTokens(handle.seq_ids, token_ids, logprobs)
+            logprobs = [None if (k := state.params.logprobs) is None else _token_logprobs(row_ids, row_values, rank, k)
+                        for state, row_ids, row_values, rank in zip(handle.states, ids, values, ranks)]
+        prompt_logprobs = []
+        if handle.prompt_logprobs is not None:
+            prompt_logprobs = _prompt_logprob_dicts(handle.prompt_logprobs, handle.prompt_host)
+        return SampledTokens(handle.seq_ids, token_ids, logprobs, prompt_logprobs)
 
     def _sampling_metadata(self, rows: StepRows) -> SamplingMetadata:
         """The sampling parameters of the sampled rows, on the device. A step that samples the
         same sequences as the last one, in the same order (a steady decode batch), reuses its
         metadata: a sequence's parameters never change, and what depends on its outputs
-        (penalties, min_tokens still blocking) makes the metadata one step's only."""
+        (SamplingMetadata.reads_outputs) makes the metadata one step's only."""
         if self._sampling_cache is not None and self._sampling_cache[0] == rows.sampled_ids:
             return self._sampling_cache[1]
         meta = SamplingMetadata.build([state.sampling_row() for state in rows.sampled], self.vocab_size,
                                       self.device)
-        reusable = meta.output_token_ids is None and meta.min_tokens_rows is None
-        self._sampling_cache = (rows.sampled_ids, meta) if reusable else None
+        self._sampling_cache = None if meta.reads_outputs else (rows.sampled_ids, meta)
         return meta
 
-    @staticmethod
-    def _logprob_dicts(states: list[SequenceState], ids: list[list[int]], values: list[list[float]],
-                       sampled_ranks: list[int]) -> list[TokenLogprobs | None]:
-        """Per sequence: the sampled token and its requested top-k, as id -> (logprob, rank)."""
-        result: list[TokenLogprobs | None] = []
-        for state, row_ids, row_values, sampled_rank in zip(states, ids, values, sampled_ranks):
-            k = state.params.logprobs
-            if k is None:
-                result.append(None)
-                continue
-            entries = {row_ids[0]: (row_values[0], sampled_rank)}
-            for rank, (token, value) in enumerate(zip(row_ids[1:k + 1], row_values[1:k + 1]), start=1):
-                entries.setdefault(token, (value, rank))
-            result.append(entries)
-        return result
+
+def _token_logprobs(ids: list[int], values: list[float], chosen_rank: int, k: int) -> TokenLogprobs:
+    """One position's row of gather_logprobs' results as id -> (logprob, rank): the chosen
+    token (column 0) and the top k (the row may hold more: the batch's largest k). A chosen
+    token among the top k takes its place there (as vLLM: its rank then counts ties before it)."""
+    entries = {ids[0]: (values[0], chosen_rank)}
+    for rank, (token, value) in enumerate(zip(ids[1:k + 1], values[1:k + 1]), start=1):
+        entries[token] = (value, rank)
+    return entries
+
+
+def _prompt_logprob_dicts(rows: PromptLogprobRows, host: list[LogprobTensors]
+                          ) -> list[tuple[int, list[TokenLogprobs]]]:
+    """Per sequence of `rows`: its id and its positions' logprob dicts (_token_logprobs)."""
+    ids, values, ranks = (torch.cat(parts).tolist() for parts in zip(*host))
+    result = []
+    start = 0
+    for seq_id, count, k in zip(rows.seq_ids, rows.num_positions, rows.num_logprobs):
+        end = start + count
+        result.append((seq_id, [_token_logprobs(row_ids, row_values, rank, k) for row_ids, row_values, rank
+                                in zip(ids[start:end], values[start:end], ranks[start:end])]))
+        start = end
+    return result

@@ -7,6 +7,7 @@ tensor-parallel engine get the prepared inputs (executor/worker.py).
 
 from dataclasses import dataclass, replace
 from itertools import compress
+from typing import cast
 
 import numpy as np
 import torch
@@ -31,6 +32,10 @@ class SequenceState:
     needs_token_history: bool  # params.needs_token_history, read once
     generator: torch.Generator | None  # seeded sequences' own random stream
     block_table: list[int]
+    # Top candidates per prompt position whose logprobs it computes (None: none), and the
+    # positions done so far: a prefill recomputed after a preemption does not repeat them.
+    num_prompt_logprobs: int | None = None
+    num_prompt_logprobs_done: int = 0
     # Counts changes to block_table other than appends: a host row written at an older epoch
     # is rewritten whole, one at this epoch gets only the entries appended since
     # (input_buffers.BlockTableRows).
@@ -50,6 +55,19 @@ class SequenceState:
             return SamplingRow(self.params, (), (), self.generator)
         split = self.num_prompt_tokens
         return SamplingRow(self.params, self.token_ids[:split], self.token_ids[split:], self.generator)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobRows:
+    """The prompt positions of a step whose logprobs it computes: at each, the logprob of the
+    prompt token that follows, its rank and the top candidates, from the hidden state of the
+    position's token. Grouped by sequence, consecutive positions each."""
+
+    seq_ids: list[int]
+    num_positions: list[int]  # per sequence
+    num_logprobs: list[int]  # per sequence: top candidates asked for
+    hidden_rows: np.ndarray  # int64 [positions]: each position's row of the step's hidden states
+    target_ids: np.ndarray  # int64 [positions]: the prompt token each position predicts
 
 
 @dataclass(slots=True)
@@ -123,6 +141,8 @@ class PersistentBatch:
     def __init__(self, device: torch.device) -> None:
         self.device = device  # where seeded sequences' generators live (the sampler's device)
         self.states: dict[int, SequenceState] = {}
+        # Sequences with prompt logprobs still to compute, by id.
+        self.awaiting_prompt_logprobs: dict[int, SequenceState] = {}
         self._last_rows: StepRows | None = None
 
     def update(self, out: SchedulerOutput) -> None:
@@ -130,14 +150,17 @@ class PersistentBatch:
         states = self.states
         for seq_id in out.finished_seq_ids:
             del states[seq_id]
+            self.awaiting_prompt_logprobs.pop(seq_id, None)
         for new in out.new_seqs:
             generator = None
             if new.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(new.seed)
             # Copies: the runner grows both lists.
-            states[new.seq_id] = SequenceState(
+            state = states[new.seq_id] = SequenceState(
                 new.seq_id, list(new.prompt_token_ids), len(new.prompt_token_ids), new.params,
-                new.params.needs_token_history, generator, list(new.block_ids))
+                new.params.needs_token_history, generator, list(new.block_ids), new.num_prompt_logprobs)
+            if new.num_prompt_logprobs is not None and state.num_prompt_tokens > 1:
+                self.awaiting_prompt_logprobs[new.seq_id] = state
         for seq_id, start, block_ids in out.block_updates:
             states[seq_id].update_block_table(start, block_ids)
 
@@ -152,3 +175,38 @@ class PersistentBatch:
             rows = StepRows.order(list(map(self.states.__getitem__, out.seq_ids)), out)
         self._last_rows = rows
         return rows
+
+    def prompt_logprob_rows(self, rows: StepRows) -> PromptLogprobRows | None:
+        """The step's prompt positions whose logprobs are due (marked done here): those of
+        its rows' new tokens that no earlier step covered, the last prompt token excluded (its
+        logits pick the first output token). None when there are none; without sequences
+        awaiting prompt logprobs (the common case) that takes one check."""
+        awaiting = self.awaiting_prompt_logprobs
+        if not awaiting:
+            return None
+        token_starts = np.cumsum(rows.num_new_tokens) - rows.num_new_tokens
+        seq_ids, num_positions, num_logprobs, hidden_rows, target_ids = [], [], [], [], []
+        for i, state in enumerate(rows.states):
+            if state.seq_id not in awaiting:
+                continue
+            computed = int(rows.num_computed_tokens[i])
+            start = state.num_prompt_logprobs_done
+            # Such a sequence takes no prefix-cache hits: its chunks start where it stopped, or
+            # before (recomputing after a preemption).
+            assert computed <= start, (computed, start)
+            end = min(computed + int(rows.num_new_tokens[i]), state.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            first_row = int(token_starts[i]) + start - computed
+            seq_ids.append(state.seq_id)
+            num_positions.append(end - start)
+            num_logprobs.append(cast(int, state.num_prompt_logprobs))  # awaiting: not None
+            hidden_rows.append(np.arange(first_row, first_row + end - start))
+            target_ids += state.token_ids[start + 1:end + 1]
+            state.num_prompt_logprobs_done = end
+            if end == state.num_prompt_tokens - 1:
+                del awaiting[state.seq_id]
+        if not seq_ids:
+            return None
+        return PromptLogprobRows(seq_ids, num_positions, num_logprobs, np.concatenate(hidden_rows),
+                                 np.array(target_ids, dtype=np.int64))

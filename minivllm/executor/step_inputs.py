@@ -10,7 +10,7 @@ import torch
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.executor.cuda_graphs import GraphKind, GraphShape
 from minivllm.executor.input_buffers import HostSet, StepFields
-from minivllm.executor.persistent_batch import StepRows
+from minivllm.executor.persistent_batch import PromptLogprobRows, StepRows
 
 # Cascade attention pays off when many decoding sequences share a long prefix; below
 # either threshold the plain decode kernel runs. (Estimates, not swept: W3's 256 sequences
@@ -33,6 +33,8 @@ class StepInputs:
     seq_lens_cpu: list[int]
     graph: GraphShape | None  # run as the CUDA graph of this (tokens, sequence rows); None: eagerly
     cascade: bool  # every decode of the step starts with the same blocks: cascade attention
+    # Prompt positions whose logprobs the step computes (every rank computes their logits).
+    prompt_logprobs: PromptLogprobRows | None = None
 
     @property
     def graph_kind(self) -> GraphKind:
@@ -51,7 +53,8 @@ class ModelInputs:
 
 def prepare_step_inputs(rows: StepRows, host: HostSet, block_size: int,
                         last_sampled_rows: dict[int, int], detect_cascade: bool,
-                        graph: GraphShape | None = None) -> StepInputs:
+                        graph: GraphShape | None = None, prompt_logprobs: PromptLogprobRows | None = None
+                        ) -> StepInputs:
     """Write the step into a host buffer set (host work only).
 
     A sequence's newest token may still be pending (sampled by the step in flight, not yet
@@ -61,6 +64,8 @@ def prepare_step_inputs(rows: StepRows, host: HostSet, block_size: int,
     one-token rows that lead it: all of a decode-only step).
     graph: for a step run as the CUDA graph of that shape (StepGraphs.padded_shape), the rows
     past the batch are filled with harmless padding: tokens stored nowhere, sequences empty.
+    prompt_logprobs: the step's prompt positions whose logprobs are due
+    (PersistentBatch.prompt_logprob_rows), carried along.
     """
     bs = block_size
     buf = host.arrays
@@ -132,6 +137,7 @@ def prepare_step_inputs(rows: StepRows, host: HostSet, block_size: int,
         seq_lens_cpu=seq_lens.tolist(),
         graph=graph,
         cascade=shared_blocks > 0,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

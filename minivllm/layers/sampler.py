@@ -6,12 +6,14 @@ logprobs see the grammar, as in vLLM):
 
 1. logprobs, when any row asks, come from the RAW logits (log_softmax before anything below).
 2. allowed_token_ids: every other token of the row is set to -inf.
-3. min_tokens: until a row has min_tokens outputs, its stop tokens (and EOS) are set to -inf
+3. bad_words: a token that would complete one of the row's bad words (its other tokens being
+   the row's latest outputs) is set to -inf.
+4. min_tokens: until a row has min_tokens outputs, its stop tokens (and EOS) are set to -inf
    (unless nothing else is left: `block_stop_tokens`).
-4. logit_bias: each biased token's value is added to its logit.
-5. penalties: repetition (prompt or output tokens), frequency and presence (output tokens).
-6. greedy rows (temperature ~ 0) take the argmax of the penalised logits.
-7. random rows: with min_p, top_k or top_p, divide by temperature and set the filtered-out
+5. logit_bias: each biased token's value is added to its logit.
+6. penalties: repetition (prompt or output tokens), frequency and presence (output tokens).
+7. greedy rows (temperature ~ 0) take the argmax of the penalised logits.
+8. random rows: with min_p, top_k or top_p, divide by temperature and set the filtered-out
    tokens to -inf; then sample with the Gumbel-max trick: argmax(logits + T * Gumbel noise)
    (T = 1 once divided), the same as argmax(logits / T + noise), is a sample from
    softmax(logits / T), with no softmax computed (`GumbelMaxSample`). With the Triton kernels
@@ -21,7 +23,7 @@ logprobs see the grammar, as in vLLM):
    torch (`gumbel_noise`). A seeded row draws its randomness from its own generator, so its
    tokens do not depend on what else is in the batch or where its row is.
 
-Steps 2 to 5 and the filters work on a float32 copy of the logits; a step that needs none of
+Steps 2 to 6 and the filters work on a float32 copy of the logits; a step that needs none of
 them reads the model's logits as they are (the caller's tensor is never modified).
 Nothing loops over the vocabulary in Python; the only Python loops are over rows when
 building the metadata and over seeded rows for their generators.
@@ -55,8 +57,8 @@ class SamplingRow:
     """One sequence's inputs for this step (host side)."""
 
     params: SamplingParams
-    # The token history: outputs read by penalties and by min_tokens, the prompt by
-    # repetition_penalty (empty where nothing reads it: _sampling_row).
+    # The token history: outputs read by penalties, min_tokens and bad words, the prompt by
+    # repetition_penalty (empty where nothing reads it: SequenceState.sampling_row).
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None  # seeded requests; on the model's device
@@ -89,6 +91,10 @@ class SamplingMetadata:
     prompt_token_ids: torch.Tensor | None  # [B, Lp] int64, padded with vocab_size
     repetition_penalty: torch.Tensor | None  # [B] float32
 
+    # bad_words: the (row, token) pairs to block this step.
+    bad_words_rows: torch.Tensor | None  # [W] int64
+    bad_words_token_ids: torch.Tensor | None  # [W] int64
+
     # min_tokens: the (row, token) pairs to block this step.
     min_tokens_rows: torch.Tensor | None  # [M] int64
     min_tokens_token_ids: torch.Tensor | None  # [M] int64
@@ -103,6 +109,9 @@ class SamplingMetadata:
 
     generators: dict[int, torch.Generator]  # row -> generator, seeded random rows only
     max_num_logprobs: int | None  # max over rows of params.logprobs; None: nobody asks
+    # Whether anything above depends on the rows' outputs so far (penalties, min_tokens still
+    # blocking, bad words of several tokens): then this metadata is good for one step only.
+    reads_outputs: bool
 
     @property
     def has_filters(self) -> bool:
@@ -112,7 +121,7 @@ class SamplingMetadata:
     def edits_logits(self) -> bool:
         """Whether any step writes into the logits (then on a float32 copy)."""
         return (self.min_tokens_rows is not None or self.output_token_ids is not None
-                or self.logit_bias_rows is not None or self.allowed_rows is not None
+                or self.bad_words_rows is not None or self.logit_bias_rows is not None or self.allowed_rows is not None
                 or self.has_filters)
 
     @classmethod
@@ -152,22 +161,26 @@ class SamplingMetadata:
             (top_k[top_p_rows] == 0).any() or max_top_k > _MAX_TOP_K_WITHOUT_FULL_SORT)
 
         # temperature, top_p, ... are views of floats: the greedy edits above are in it.
-        device_floats = _to_device(floats, device)
+        device_floats = to_device(floats, device)
         all_greedy = bool(greedy.all())
         all_random = not bool(greedy.any())
 
         output_ids = prompt_ids = None
         if use_penalties:
-            output_ids = _to_device(_pad_token_ids(
+            output_ids = to_device(_pad_token_ids(
                 [row.output_token_ids if has_penalties[i] else () for i, row in enumerate(rows)],
                 vocab_size), device)
         if use_repetition:
             # Only rows with a repetition penalty need their (possibly long) prompt.
-            prompt_ids = _to_device(_pad_token_ids(
+            prompt_ids = to_device(_pad_token_ids(
                 [row.prompt_token_ids if repetition[i] != 1.0 else () for i, row in enumerate(rows)],
                 vocab_size), device)
 
         min_rows, min_tokens = _min_tokens_pairs(rows, vocab_size)
+        bad_rows = bad_ids = None
+        has_bad_words = any(p.bad_words_token_ids for p in params)
+        if has_bad_words:
+            bad_rows, bad_ids = _bad_words_pairs(rows)
         bias_rows = bias_ids = bias_values = allowed_rows = disallowed = None
         # Both are static per sequence, so they survive the reuse of a steady batch's metadata.
         if any(p.logit_bias for p in params):
@@ -180,8 +193,8 @@ class SamplingMetadata:
             temperature=device_floats[0],
             all_greedy=all_greedy,
             all_random=all_random,
-            greedy_mask=None if all_greedy or all_random else _to_device(greedy, device),
-            top_k=_to_device(top_k, device) if use_top_k else None,
+            greedy_mask=None if all_greedy or all_random else to_device(greedy, device),
+            top_k=to_device(top_k, device) if use_top_k else None,
             max_top_k=max_top_k,
             top_p=device_floats[1] if use_top_p else None,
             sort_full_vocab=sort_full_vocab,
@@ -191,21 +204,26 @@ class SamplingMetadata:
             presence_penalty=device_floats[3] if use_penalties else None,
             prompt_token_ids=prompt_ids,
             repetition_penalty=device_floats[5] if use_repetition else None,
-            min_tokens_rows=None if min_rows is None else _to_device(min_rows, device),
-            min_tokens_token_ids=None if min_tokens is None else _to_device(min_tokens, device),
-            logit_bias_rows=None if bias_rows is None else _to_device(bias_rows, device),
-            logit_bias_token_ids=None if bias_ids is None else _to_device(bias_ids, device),
-            logit_bias_values=None if bias_values is None else _to_device(bias_values, device),
-            allowed_rows=None if allowed_rows is None else _to_device(allowed_rows, device),
-            disallowed_mask=None if disallowed is None else _to_device(disallowed, device),
+            bad_words_rows=None if bad_rows is None else to_device(bad_rows, device),
+            bad_words_token_ids=None if bad_ids is None else to_device(bad_ids, device),
+            min_tokens_rows=None if min_rows is None else to_device(min_rows, device),
+            min_tokens_token_ids=None if min_tokens is None else to_device(min_tokens, device),
+            logit_bias_rows=None if bias_rows is None else to_device(bias_rows, device),
+            logit_bias_token_ids=None if bias_ids is None else to_device(bias_ids, device),
+            logit_bias_values=None if bias_values is None else to_device(bias_values, device),
+            allowed_rows=None if allowed_rows is None else to_device(allowed_rows, device),
+            disallowed_mask=None if disallowed is None else to_device(disallowed, device),
             generators={i: row.generator for i, row in enumerate(rows)
                         if row.generator is not None and not greedy[i]},
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None),
                                  default=None),
+            reads_outputs=use_penalties or min_rows is not None or (
+                has_bad_words and any(p.has_bad_word_prefixes for p in params)),
         )
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the device, copied without waiting for the device."""
     tensor = torch.from_numpy(array)
     if device.type == "cuda":
         # Pinned memory makes the copy truly asynchronous; the caching host allocator keeps
@@ -237,6 +255,24 @@ def _min_tokens_pairs(rows: list[SamplingRow],
         blocked = [t for t in set(p.stop_token_ids or ()) | p.all_stop_token_ids if 0 <= t < vocab_size]
         row_ids += [i] * len(blocked)
         token_ids += blocked
+    if not row_ids:
+        return None, None
+    return np.array(row_ids, dtype=np.int64), np.array(token_ids, dtype=np.int64)
+
+
+def _bad_words_pairs(rows: list[SamplingRow]) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(row, token) pairs to block: each bad word's last token, where the row's latest output
+    tokens are the word's others (a word of one token: always). As vLLM, only outputs count:
+    a word is not completed across the end of the prompt."""
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    for i, row in enumerate(rows):
+        outputs = row.output_token_ids
+        for word in row.params.bad_words_token_ids:
+            start = len(outputs) - (len(word) - 1)  # where the word's other tokens would start
+            if start >= 0 and list(outputs[start:]) == word[:-1]:
+                row_ids.append(i)
+                token_ids.append(word[-1])
     if not row_ids:
         return None, None
     return np.array(row_ids, dtype=np.int64), np.array(token_ids, dtype=np.int64)
@@ -296,8 +332,8 @@ class Sampler(torch.nn.Module):
     # The steps, public so tests (and debugging) can look at each stage.
 
     def penalised_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """A float32 copy of logits with allowed_token_ids, min_tokens blocking, logit_bias and
-        penalties applied (vLLM's order). Every later step works in place on this copy; the
+        """A float32 copy of logits with allowed_token_ids, bad_words, min_tokens blocking,
+        logit_bias and penalties applied (vLLM's order). Every later step works in place on this copy; the
         caller's logits are never modified."""
         # Padding ids equal vocab_size must land outside the real vocabulary.
         assert logits.shape[-1] == meta.vocab_size, (logits.shape, meta.vocab_size)
@@ -305,6 +341,8 @@ class Sampler(torch.nn.Module):
         if meta.allowed_rows is not None:
             assert meta.disallowed_mask is not None  # set with allowed_rows
             logits[meta.allowed_rows] = logits[meta.allowed_rows].masked_fill_(meta.disallowed_mask, _NEG_INF)
+        if meta.bad_words_rows is not None:
+            logits[meta.bad_words_rows, meta.bad_words_token_ids] = _NEG_INF
         if meta.min_tokens_rows is not None:
             assert meta.min_tokens_token_ids is not None  # set with min_tokens_rows
             block_stop_tokens(logits, meta.min_tokens_rows, meta.min_tokens_token_ids)
@@ -491,13 +529,14 @@ def gumbel_noise(bits: torch.Tensor) -> torch.Tensor:
     return e.log_().neg_()
 
 
-def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
+def gather_logprobs(raw_logprobs: torch.Tensor, chosen: torch.Tensor,
                     num_logprobs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Column 0 the sampled token, then the top num_logprobs; and the sampled token's rank,
-    counted as vLLM does: how many tokens have a logprob >= its own (1 = most likely)."""
-    token_logprob = raw_logprobs.gather(1, sampled.unsqueeze(1))
+    """Column 0 the chosen token of each row (the sampled one, or a prompt token), then the
+    top num_logprobs; and the chosen token's rank, counted as vLLM does: how many tokens have
+    a logprob >= its own (1 = most likely)."""
+    token_logprob = raw_logprobs.gather(1, chosen.unsqueeze(1))
     ranks = (raw_logprobs >= token_logprob).sum(dim=-1)
-    token_ids = sampled.unsqueeze(1)
+    token_ids = chosen.unsqueeze(1)
     logprobs = token_logprob
     if num_logprobs > 0:
         top_logprobs, top_ids = raw_logprobs.topk(num_logprobs, dim=-1)

@@ -106,6 +106,8 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None  # JSON keys: token ids as strings
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = Field(default_factory=list)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's default max_logprobs
     # The output's format: OpenAI's response_format, or vLLM's structured_outputs (the keys of
     # StructuredOutputsParams); a response_format other than text overrides that constraint.
     response_format: ResponseFormat | None = None
@@ -123,7 +125,7 @@ class _SamplingRequest(_Request):
             raise ValueError("best_of is not supported (other than best_of = n): remove it")
         return self
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
                         defaults: dict[str, Any]) -> SamplingParams:
         """SamplingParams for this request; fields it leaves out take `defaults` (the model's
         generation config), then SamplingParams' own. Raises ValueError on bad values
@@ -135,12 +137,12 @@ class _SamplingRequest(_Request):
                               min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                               ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, logprobs=logprobs,
-                              skip_special_tokens=self.skip_special_tokens,
+                              prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               # SamplingParams turns the string keys into ints (as vLLM does) and
                               # refuses any that are not integers.
                               logit_bias=cast("dict[int, float] | None", self.logit_bias),
-                              allowed_token_ids=self.allowed_token_ids,
+                              allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
                               structured_outputs=self.structured_outputs_params())
 
     @property

@@ -34,7 +34,7 @@ from minivllm.entrypoints.openai.protocol import (
     OpenAIError,
     _SamplingRequest,
 )
-from minivllm.outputs import CompletionOutput, Logprob
+from minivllm.outputs import CompletionOutput, Logprob, PromptLogprobs
 from minivllm.sampling_params import SamplingParams
 
 # The sampling fields a model's generation_config.json may set as defaults (vLLM applies them).
@@ -176,21 +176,24 @@ class OpenAIServing:
                               f"is {limit} tokens and your request has {num_prompt_tokens} input tokens "
                               f"({max_tokens} > {limit} - {num_prompt_tokens}).", param="max_tokens")
 
-    def _sampling_params(self, request: _SamplingRequest, max_tokens: int | None,
-                         logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, request: _SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None) -> SamplingParams:
+        if request.stream and request.prompt_logprobs:
+            raise OpenAIError("prompt_logprobs are not available with stream=true (as with vLLM): send the "
+                              "request without streaming.", param="prompt_logprobs")
         try:
-            params = request.sampling_params(max_tokens, logprobs, self.sampling_defaults)
+            params = request.sampling_params(max_tokens, logprobs, prompt_logprobs, self.sampling_defaults)
+            if params.structured_outputs is not None:
+                try:  # xgrammar's parse of the schema, regex or grammar (check_params finds it cached)
+                    check_structured_outputs(params.structured_outputs)
+                except ValueError as error:
+                    raise OpenAIError(str(error), param=request.structured_outputs_field) from error
             # Here rather than in the engine, so that the error names its field.
-            params.check_vocab(self.engine.vocab_size)
+            self.engine.input_processor.check_params(params)
+            return params
         except ValueError as error:  # "SamplingParams: top_p must be ...": name the field as param
             message = str(error).removeprefix("SamplingParams: ")
             raise OpenAIError(message, param=message.split()[0]) from error
-        if params.structured_outputs is not None:
-            try:  # xgrammar's parse of the schema, regex or grammar (the engine checks it too: cached)
-                check_structured_outputs(params.structured_outputs)
-            except ValueError as error:
-                raise OpenAIError(str(error), param=request.structured_outputs_field) from error
-        return params
 
     async def _start(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
                      request_id: str) -> list[RequestStream]:
@@ -210,16 +213,19 @@ class OpenAIServing:
         self.check_model(request.model)
         if request.suffix is not None:
             raise OpenAIError("suffix is not supported: remove it from the request.", param="suffix")
-        if request.echo and request.logprobs is not None:
-            raise OpenAIError("echo with logprobs needs prompt logprobs, which minivllm does not compute: "
-                              "drop one of them.", param="echo")
-        params = self._sampling_params(request, request.max_tokens, request.logprobs)
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is None and request.echo:
+            prompt_logprobs = request.logprobs  # the echoed prompt's tokens get logprobs too
+        # max_tokens 0 with echo (how lm-eval scores a text): the prompt alone. As vLLM, the
+        # engine generates one token, which the reply leaves out.
+        max_tokens = 1 if request.echo and request.max_tokens == 0 else request.max_tokens
+        params = self._sampling_params(request, max_tokens, request.logprobs, prompt_logprobs)
         prompts = await self._completion_prompts(request.prompt)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._start(prompts, params, request_id)
-        echoes = [self._prompt_text(text, token_ids) if request.echo else "" for text, token_ids in prompts]
+        echoes = [(self._prompt_text(text, ids), ids) for text, ids in prompts] if request.echo else []
         response = _CompletionResponse(request_id, request.model or self.served_model_names[0], request,
-                                       params.n, echoes, streams)
+                                       params.n, echoes, streams, self._decode_token)
         if request.stream:
             return EventStream(partial(response.stream, request.include_usage))
         return response.gather()
@@ -241,6 +247,9 @@ class OpenAIServing:
             return ""
         return cast(str, self.tokenizer.decode(token_ids))  # one sequence's ids: one string
 
+    def _decode_token(self, token: int) -> str:
+        return self._prompt_text(None, [token])
+
     # --- /v1/chat/completions ---------------------------------------------------------------
 
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Awaitable[Json] | EventStream:
@@ -250,7 +259,7 @@ class OpenAIServing:
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
             else request.max_tokens
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self._sampling_params(request, max_tokens, num_logprobs)
+        params = self._sampling_params(request, max_tokens, num_logprobs, request.prompt_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._start([(None, token_ids)], params, request_id)
         response = _ChatResponse(request_id, request.model or self.served_model_names[0], num_logprobs, params.n,
@@ -277,12 +286,17 @@ class _Response:
         self.finished: set[int] = set()  # choices whose last delta was taken
         # Per engine request id: its first choice's index and its number of prompt tokens.
         self.prompts = {stream.request_id: (i * n, len(stream.prompt_token_ids)) for i, stream in enumerate(streams)}
+        # Per prompt (its index) that asked for them: its prompt logprobs, once they came.
+        self.prompt_logprobs: dict[int, PromptLogprobs] = {}
 
     def deltas(self, outputs: list[WireOutput]) -> list[_Delta]:
-        """What a batch of engine outputs adds to the choices; counts the usage."""
+        """What a batch of engine outputs adds to the choices; counts the usage and keeps the
+        prompt logprobs (they come before any choice of theirs, in the request's first output)."""
         deltas = []
-        for request_id, completions, finished, _, num_cached_tokens in outputs:
+        for request_id, completions, finished, _, num_cached_tokens, prompt_logprobs in outputs:
             first_index, num_prompt_tokens = self.prompts[request_id]
+            if prompt_logprobs is not None:
+                self.prompt_logprobs[first_index // self.n] = prompt_logprobs
             if finished:  # a prompt's cached-token count is final once it finishes
                 self.usage.prompt_tokens += num_prompt_tokens
                 self.usage.cached_tokens += num_cached_tokens
@@ -308,7 +322,7 @@ class _Response:
                     choices[index].add(CompletionOutput(*delta))
         return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
                 "choices": [self.final_choice(i, choice) for i, choice in enumerate(choices)],
-                "usage": self.usage.as_json()}
+                "usage": self.usage.as_json(), **self.response_fields()}
 
     async def stream(self, include_usage: bool, send: Send) -> None:
         """Send the SSE events (see EventStream): one per generated token (those that arrived
@@ -340,6 +354,10 @@ class _Response:
     def opening_choices(self, num_choices: int) -> list[Json]:
         return []
 
+    def response_fields(self) -> Json:
+        """Fields of a whole (non-streamed) response past its usage."""
+        return {}
+
     def chunk_json(self, index: int, delta: WireCompletion) -> str:
         """A chunk's choice as JSON text (subclasses write the common case from a template)."""
         return json.dumps(self.chunk_choice(index, CompletionOutput(*delta)))
@@ -354,21 +372,34 @@ class _Response:
 class _CompletionResponse(_Response):
     object_name = chunk_object_name = "text_completion"
 
-    def __init__(self, request_id: str, model: str, request: CompletionRequest, n: int, echoes: list[str],
-                 streams: list[RequestStream]) -> None:
+    def __init__(self, request_id: str, model: str, request: CompletionRequest, n: int,
+                 echoes: list[tuple[str, list[int]]], streams: list[RequestStream],
+                 decode: Callable[[int], str]) -> None:
+        """echoes: with echo, per prompt its text and token ids; decode: one token's text (where
+        no logprob carries it: the prompt's first token)."""
         super().__init__(request_id, model, n, streams)
         self.num_logprobs = request.logprobs
-        self.echoes = echoes  # per prompt: its text when echo is set, else ""
+        self.echo = request.echo
+        self.echoes = echoes
+        self.prompt_only = request.echo and request.max_tokens == 0  # the generated token left out
+        self.decode = decode
         self.echoed: set[int] = set()
         self.text_offsets: dict[int, int] = {}  # per choice, for streamed logprobs
         self.plain = request.logprobs is None and not request.echo  # chunks from chunk_json's template
 
-    def _echo(self, index: int) -> str:
-        """The prompt's text before a choice's first text (once), when echo is set."""
-        if index in self.echoed:
-            return ""
+    def _shown(self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, Logprob] | None]
+               ) -> tuple[str, list[int], list[dict[int, Logprob] | None]]:
+        """What a choice's delta (or whole output) shows of its text, tokens and logprobs: with
+        echo, the prompt's before them in the choice's first (once); none of the generated
+        token with max_tokens 0."""
+        if self.prompt_only:
+            text, token_ids, logprobs = "", [], []
+        if not self.echo or index in self.echoed:
+            return text, token_ids, logprobs
         self.echoed.add(index)
-        return self.echoes[index // self.n]
+        prompt = index // self.n
+        prompt_text, prompt_token_ids = self.echoes[prompt]
+        return prompt_text + text, prompt_token_ids + token_ids, [*self.prompt_logprobs.get(prompt, []), *logprobs]
 
     def chunk_json(self, index: int, delta: WireCompletion) -> str:
         _, text, _, _, _, finish_reason, _ = delta
@@ -379,21 +410,23 @@ class _CompletionResponse(_Response):
                 '"logprobs": null, "finish_reason": null, "stop_reason": null}')
 
     def chunk_choice(self, index: int, delta: CompletionOutput) -> Json:
-        text = self._echo(index) + delta.text
-        logprobs = None
+        text, token_ids, logprobs = self._shown(index, delta.text, delta.token_ids, list(delta.logprobs or []))
+        logprobs_json = None
         if self.num_logprobs is not None:
             offset = self.text_offsets.get(index, 0)
-            logprobs, self.text_offsets[index] = _completion_logprobs(
-                delta.token_ids, delta.logprobs, self.num_logprobs, offset)
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason,
+            logprobs_json, self.text_offsets[index] = _completion_logprobs(
+                token_ids, logprobs, self.num_logprobs, offset, self.decode)
+        return {"index": index, "text": text, "logprobs": logprobs_json, "finish_reason": delta.finish_reason,
                 "stop_reason": delta.stop_reason}
 
     def final_choice(self, index: int, choice: _Choice) -> Json:
-        logprobs = None
+        text, token_ids, logprobs = self._shown(index, "".join(choice.text), choice.token_ids, list(choice.logprobs))
+        logprobs_json = None
         if self.num_logprobs is not None:
-            logprobs, _ = _completion_logprobs(choice.token_ids, choice.logprobs, self.num_logprobs, 0)
-        return {"index": index, "text": self._echo(index) + "".join(choice.text), "logprobs": logprobs,
-                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+            logprobs_json, _ = _completion_logprobs(token_ids, logprobs, self.num_logprobs, 0, self.decode)
+        return {"index": index, "text": text, "logprobs": logprobs_json, "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason,
+                "prompt_logprobs": _prompt_logprobs_json(self.prompt_logprobs.get(index // self.n))}
 
 
 class _ChatResponse(_Response):
@@ -404,6 +437,9 @@ class _ChatResponse(_Response):
                  streams: list[RequestStream]) -> None:
         super().__init__(request_id, model, n, streams)
         self.num_logprobs = num_logprobs
+
+    def response_fields(self) -> Json:
+        return {"prompt_logprobs": _prompt_logprobs_json(self.prompt_logprobs.get(0))}
 
     def opening_choices(self, num_choices: int) -> list[Json]:
         """The assistant role, in each choice's first delta (as OpenAI and vLLM send it)."""
@@ -451,19 +487,36 @@ def _chat_logprob(logprob: Logprob) -> Json:
     return {"token": token, "logprob": _clamp(logprob.logprob), "bytes": list(token.encode())}
 
 
-def _completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]] | None, k: int,
-                         offset: int) -> tuple[Json, int]:
-    """The legacy completions logprobs object, and the text offset after its tokens."""
+def _completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] | None], k: int,
+                         offset: int, decode: Callable[[int], str]) -> tuple[Json, int]:
+    """The legacy completions logprobs object, and the text offset after its tokens. A
+    position without logprobs (an echoed prompt's first token) gets nulls, as in vLLM."""
     result: Json = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
-    for token, position in zip(token_ids, logprobs or []):
-        chosen = position[token]
-        text = chosen.decoded_token or ""
+    for token, position in zip(token_ids, logprobs):
+        if position is None:
+            text = decode(token)
+            result["token_logprobs"].append(None)
+            result["top_logprobs"].append(None)
+        else:
+            chosen = position[token]
+            text = chosen.decoded_token or ""
+            result["token_logprobs"].append(_clamp(chosen.logprob))
+            result["top_logprobs"].append({p.decoded_token: _clamp(p.logprob) for p in [chosen, *_top(position, k)]})
         result["text_offset"].append(offset)
-        result["token_logprobs"].append(_clamp(chosen.logprob))
         result["tokens"].append(text)
-        result["top_logprobs"].append({p.decoded_token: _clamp(p.logprob) for p in [chosen, *_top(position, k)]})
         offset += len(text)
     return result, offset
+
+
+def _prompt_logprobs_json(prompt_logprobs: PromptLogprobs | None) -> list[Json | None] | None:
+    """vLLM's prompt_logprobs field: per prompt position None (the first) or token id ->
+    {logprob, rank, decoded_token}."""
+    if prompt_logprobs is None:
+        return None
+    return [None if position is None else {str(token): {"logprob": _clamp(p.logprob), "rank": p.rank,
+                                                        "decoded_token": p.decoded_token}
+                                           for token, p in position.items()}
+            for position in prompt_logprobs]
 
 
 class _NotJson:
