@@ -224,7 +224,7 @@ _WRONG_VALUES: dict[str, list[Any]] = {
     "logit_bias": [{"x": 5}, {"1": "a"}, {"1": float("inf")}, {str(10**9): 5}, 5],
     "allowed_token_ids": [[], ["x"], [10**9], [-1], 5],
     "top_logprobs": [2, 50, "x"],
-    "tools": [[{"type": "function", "function": {"name": "f"}}], 5],
+    "tools": [[{"type": "function", "function": {"name": "f"}}], [], [{"type": "function"}], 5],
     "response_format": [{"type": "json_object"}, 5],
     "chat_template_kwargs": [{"tokenize": True}, {"chat_template": "x"}, 5],
     "chat_template": ["{{ 'x' }}", 5],
