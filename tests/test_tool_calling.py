@@ -24,6 +24,7 @@ from minivllm.tool_parsers.base import ToolCall, ToolParser
 from minivllm.tool_parsers.forced import NamedFunctionCall, RequiredFunctionCalls, required_calls_schema
 from minivllm.tool_parsers.hermes import HermesToolParser
 from minivllm.tool_parsers.llama3_json import Llama3JsonToolParser
+from minivllm.tool_parsers.partial_json import ObjectScanner
 from tests.tool_models import TIME_TOOL, WEATHER_TOOL, tool_tokenizer
 
 TOOL_CALL_ID = re.compile(r"chatcmpl-tool-[0-9a-f]{32}")
@@ -69,6 +70,32 @@ def streamed_list(calls: list[dict[str, Any]]) -> list[tuple[str, Any]]:
 
 
 # --- tool-call parsers ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", [
+    '{"name": "f", "arguments": {"s": "a \\"}\\\\", "n": [1, {"x": null}], "t": true, "e": -1.5e3}}',
+    '  {"a": "\\u00e9\\n", "b": [], "c": {}, "d": false}',
+    "{}",
+])
+def test_object_scanner_read_piece_by_piece_is_read_whole(text: str) -> None:
+    """A scan that goes on where the last stopped finds what one scan of the whole finds:
+    every top-level value's span, complete values decoding as JSON's."""
+    whole = ObjectScanner(0).scan(text)
+    assert whole.end == len(text) and not whole.malformed
+    assert {key: whole.complete_value(text, key) for key in whole.fields} == json.loads(text)
+    scanner = ObjectScanner(0)
+    for end in range(len(text) + 1):
+        scan = scanner.scan(text[:end])
+        assert all(value_end is None or value_end <= end for _, value_end in scan.fields.values())
+    assert scan == whole
+
+
+@pytest.mark.parametrize("text", ['["a"]', '{"a" 1}', '{"a": 1 "b": 2}', "{'a': 1}", '{"a": 1,}'])
+def test_object_scanner_stops_at_what_is_not_an_object(text: str) -> None:
+    scanner = ObjectScanner(0)
+    scans = [scanner.scan(text[:end]) for end in range(len(text) + 1)]
+    assert scans[-1].malformed and scans[-1].end is None
+
+
 
 HERMES_CASES = [
     # (output, content, calls)

@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from minivllm.tool_parsers.partial_json import ObjectScan, scan_object, skip_whitespace
+from minivllm.tool_parsers.partial_json import ObjectScan, ObjectScanner, skip_whitespace
 
 Json = dict[str, Any]
 
@@ -78,26 +78,31 @@ class JsonCallDeltas:
     def __init__(self, argument_keys: tuple[str, ...]) -> None:
         self.argument_keys = argument_keys
         self.sent: list[str] = []  # per announced call: the arguments' text sent so far
+        self._scanners: list[ObjectScanner] = []  # per call seen
 
     @property
     def num_calls(self) -> int:
         return len(self.sent)
 
-    def update(self, index: int, text: str, scan: ObjectScan) -> ToolCallDelta | None:
-        """The delta of call `index` (at most num_calls), whose object in `text` is `scan`."""
+    def update(self, index: int, text: str, start: int) -> tuple[ObjectScan, ToolCallDelta | None]:
+        """Call `index` (at most num_calls), whose object opens at `start` (after whitespace) of
+        the grown text: its scan, and its delta (None if nothing new)."""
+        if index == len(self._scanners):
+            self._scanners.append(ObjectScanner(start))
+        scan = self._scanners[index].scan(text)
         arguments = next((value for key in self.argument_keys
                           if (value := scan.raw_value(text, key)) is not None), "")
         if index == len(self.sent):
             name = scan.complete_value(text, "name")
             if not isinstance(name, str):
-                return None
+                return scan, None
             self.sent.append(arguments)
-            return ToolCallDelta(index, arguments, name, make_tool_call_id())
+            return scan, ToolCallDelta(index, arguments, name, make_tool_call_id())
         new = arguments[len(self.sent[index]):]
         if not new:
-            return None
+            return scan, None
         self.sent[index] = arguments
-        return ToolCallDelta(index, new)
+        return scan, ToolCallDelta(index, new)
 
     def update_sequence(self, text: str, start: int, separator: str) -> list[ToolCallDelta]:
         """The deltas of calls written one after the other from text[start], separated by
@@ -105,17 +110,15 @@ class JsonCallDeltas:
         deltas = []
         index, i = 0, start
         while index <= self.num_calls:  # the next unannounced call waits for its name
-            scan = scan_object(text, i)
-            if scan.malformed:
-                break
-            if delta := self.update(index, text, scan):
+            scan, delta = self.update(index, text, i)
+            if delta is not None:
                 deltas.append(delta)
-            if scan.end is None:
+            if scan.malformed or scan.end is None:
                 break
             i = skip_whitespace(text, scan.end)
             if not text.startswith(separator, i):
                 break
-            i = skip_whitespace(text, i + len(separator))
+            i += len(separator)
             index += 1
         return deltas
 

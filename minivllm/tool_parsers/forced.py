@@ -94,4 +94,4 @@ class RequiredFunctionCalls(ToolParser):
         i = skip_whitespace(self.text, 0)
         if not self.text.startswith("[", i):
             return "", []
-        return "", self.calls.update_sequence(self.text, skip_whitespace(self.text, i + 1), ",")
+        return "", self.calls.update_sequence(self.text, i + 1, ",")

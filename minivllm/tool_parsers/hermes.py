@@ -5,7 +5,6 @@ text. The content is the text before the first call."""
 import json
 
 from minivllm.tool_parsers.base import JsonCallDeltas, StreamDelta, ToolCall, ToolParser, partial_marker_length
-from minivllm.tool_parsers.partial_json import scan_object, skip_whitespace
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -59,8 +58,8 @@ class HermesToolParser(ToolParser):
         self.content_sent = max(self.content_sent, sendable)
         deltas = []
         for index, (start, end) in enumerate(self._bodies(self.text, streaming=True)):
-            body = self.text[:end]
-            if delta := self.calls.update(index, body, scan_object(body, skip_whitespace(body, start))):
+            _, delta = self.calls.update(index, self.text[:end], start)
+            if delta is not None:
                 deltas.append(delta)
             if index == self.calls.num_calls:  # this call has no name yet: later ones wait
                 break
