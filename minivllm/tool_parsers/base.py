@@ -125,7 +125,10 @@ class JsonCallDeltas:
 
 def partial_marker_length(text: str, marker: str) -> int:
     """How much of text's end could be the start of `marker` (held back while streaming)."""
-    for length in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:length]):
-            return length
+    tail = text[len(text) - len(marker) + 1:] if len(text) >= len(marker) else text
+    start = tail.find(marker[0])  # the earliest candidate is the longest
+    while start != -1:
+        if marker.startswith(tail[start:]):
+            return len(tail) - start
+        start = tail.find(marker[0], start + 1)
     return 0

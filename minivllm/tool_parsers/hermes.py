@@ -16,14 +16,15 @@ class HermesToolParser(ToolParser):
     def __init__(self) -> None:
         self.text = ""
         self.content_sent = 0  # how much of text went out as content
+        self.first_call: int | None = None  # where the first start tag is, once written
         self.calls = JsonCallDeltas(("arguments",))
 
     @staticmethod
-    def _bodies(text: str, streaming: bool) -> list[tuple[int, int]]:
-        """Where each call's text is: from a start tag to its end tag, or to the end of the
-        text (less what could be the start of an end tag, while streaming)."""
+    def _bodies(text: str, start: int, streaming: bool) -> list[tuple[int, int]]:
+        """Where each call's text is, from the start tag at `start` on: from a start tag to its
+        end tag, or to the end of the text (less what could be the start of an end tag, while
+        streaming)."""
         bodies = []
-        start = text.find(START)
         while start != -1:
             body = start + len(START)
             end = text.find(END, body)
@@ -40,7 +41,7 @@ class HermesToolParser(ToolParser):
         if first == -1:
             return text or None, []
         calls = []
-        for start, end in self._bodies(text, streaming=False):
+        for start, end in self._bodies(text, first, streaming=False):
             try:
                 call = json.loads(text[start:end])
                 if not isinstance(call["name"], str):
@@ -52,12 +53,17 @@ class HermesToolParser(ToolParser):
 
     def stream(self, text: str) -> StreamDelta:
         self.text += text
-        first = self.text.find(START)
-        sendable = first if first != -1 else len(self.text) - partial_marker_length(self.text, START)
-        content = self.text[self.content_sent:sendable]
-        self.content_sent = max(self.content_sent, sendable)
+        content = ""
+        if self.first_call is None:  # content so far: a start tag can only begin after what was sent
+            found = self.text.find(START, self.content_sent)
+            sendable = found if found != -1 else len(self.text) - partial_marker_length(self.text, START)
+            content = self.text[self.content_sent:sendable]
+            self.content_sent = sendable
+            if found == -1:
+                return content, []
+            self.first_call = found
         deltas = []
-        for index, (start, end) in enumerate(self._bodies(self.text, streaming=True)):
+        for index, (start, end) in enumerate(self._bodies(self.text, self.first_call, streaming=True)):
             _, delta = self.calls.update(index, self.text[:end], start)
             if delta is not None:
                 deltas.append(delta)

@@ -482,7 +482,9 @@ class _ChatResponse(_Response):
         message: Json = {"content": delta.text}
         finish_reason = delta.finish_reason
         if self.parsing is not None:
-            stream = self.message_streams.setdefault(index, self.parsing.stream())
+            stream = self.message_streams.get(index)
+            if stream is None:
+                stream = self.message_streams[index] = self.parsing.stream()
             if finish_reason is None:
                 parsed = stream.feed(delta.text)
             else:
