@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from minivllm.reasoning import reasoning_parser_class
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -76,6 +78,9 @@ class EngineConfig:
     # graphs). "auto": triton on cuda, torch on cpu.
     kernels: str = "auto"
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" (or "fp8_e4m3"): float8 e4m3
+    # Splits reasoning from answers (minivllm.reasoning): the server's `reasoning` field, and where
+    # constrained decoding starts. A name of REASONING_PARSERS, or None.
+    reasoning_parser: str | None = None
     # Derived in __post_init__.
     hf_config: PretrainedConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
@@ -169,6 +174,8 @@ class EngineConfig:
         if self.kernels == "triton" and self.device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("kernels='triton' needs a CUDA device (or TRITON_INTERPRET=1); "
                              "use 'torch' on CPU.")
+        if self.reasoning_parser is not None:
+            reasoning_parser_class(self.reasoning_parser)  # raises for an unknown name
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
         if self.device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():

@@ -378,9 +378,13 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server: RemoteServer,
         (httpx.post(url, json={**good, "prompt_logprobs": 1, "stream": True}), 400, "stream=true"),
         (httpx.post(url, json={**good, "bad_words": [""]}), 400, "bad_words"),
         (httpx.post(url, json={**good, "max_tokens": 0}), 400, "max_tokens"),
-        (httpx.post(chat_url, json={**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}),
-         400, "tools"),
         (httpx.post(chat_url, json={**chat, "response_format": {"type": "xml"}}), 400, "response_format"),
+        # Tool calls need --enable-auto-tool-choice and --tool-call-parser (as in vLLM); tool_choice
+        # "none" leaves the tools to the template.
+        (httpx.post(chat_url, json={**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+         400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser'),
+        (httpx.post(chat_url, json={**chat, "tools": [{"type": "function", "function": {"name": "f"}}],
+                                    "tool_choice": "required"}), 400, "--enable-auto-tool-choice"),
         (httpx.post(chat_url, json={**chat, "top_logprobs": 2}), 400, "logprobs=true"),
         (httpx.post(url, json={**good, "max_tokens": "many"}), 400, "max_tokens"),
         (httpx.post(url, json={**good, "prompt": {"not": "a prompt"}}), 400, "prompt"),
@@ -403,9 +407,13 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server: RemoteServer,
         assert httpx.post(url, json=good).json()["choices"][0]["text"] == expected
     # A refused list of prompts queued none of them (nothing was aborted).
     assert server.metrics().get("vllm:request_success_total", 0) == aborts_before + len(cases)
-    # Sampling errors name their field.
+    # Sampling errors name their field, tool calling errors tool_choice.
     for field, value in (("top_p", 0), ("prompt_logprobs", -1), ("bad_words", [" "]), ("max_tokens", 0)):
         assert httpx.post(url, json={**good, field: value}).json()["error"]["param"] == field
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    response = httpx.post(chat_url, json={**chat, "tools": tools})
+    assert response.json()["error"]["param"] == "tool_choice"
+    assert httpx.post(chat_url, json={**chat, "tools": tools, "tool_choice": "none"}).status_code == 200
     # The length error names the tokens asked for.
     too_long = httpx.post(url, json={**good, "prompt": long_prompt})
     assert f"has {MAX_MODEL_LEN} input tokens" in openai_error(too_long, 400)

@@ -226,7 +226,7 @@ _WRONG_VALUES: dict[str, list[Any]] = {
     "prompt_logprobs": [-1, 21, "3", True],
     "bad_words": ["x", [5], [""], 5],
     "top_logprobs": [2, 50, "x"],
-    "tools": [[{"type": "function", "function": {"name": "f"}}], 5],
+    "tools": [[{"type": "function", "function": {"name": "f"}}], [], [{"type": "function"}], 5],
     "response_format": [{"type": "xml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "foo"}}}, 5],
     "structured_outputs": [{}, {"regex": "("}, {"json": 5}, {"regex": "a", "choice": ["a"]}, {"nope": 1}, 5],

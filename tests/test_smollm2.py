@@ -2,7 +2,7 @@
 (Llama architecture, tied embeddings, a real tokenizer and chat template). Greedy output is
 token for token that of transformers loading the same file, offline, batched and from the
 prefix cache; `LLM.chat`, `minivllm generate` and `minivllm serve` answer a factual question, the
-first also as JSON of a schema."""
+first also as JSON of a schema, and the server runs a tool call -> tool result -> answer loop."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import os
 import signal
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from minivllm import LLM, SamplingParams, StructuredOutputsParams
 from minivllm.entrypoints.cli import main
 from minivllm.local_models import smollm2_path
 from tests.server_utils import RemoteServer
+from tests.tool_models import WEATHER_TOOL
 
 pytestmark = pytest.mark.slow  # the real SmolLM2-135M, against transformers
 
@@ -104,7 +106,8 @@ def test_generate_defaults_to_smollm2(llm: LLM, gguf_path: str, monkeypatch: pyt
 
 @pytest.fixture(scope="module")
 def server(gguf_path: str) -> Iterator[RemoteServer]:
-    server = RemoteServer(gguf_path, "--max-model-len", str(MAX_MODEL_LEN), "--disable-log-stats")
+    server = RemoteServer(gguf_path, "--max-model-len", str(MAX_MODEL_LEN), "--disable-log-stats",
+                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     try:
         yield server
     finally:
@@ -116,3 +119,41 @@ def test_serve_answers_a_chat_completion(server: RemoteServer) -> None:
         model="tiny", messages=[{"role": "user", "content": "What is the capital of France?"}],
         max_tokens=16, temperature=0)
     assert "Paris" in response.choices[0].message.content
+
+
+def tool_call_reply(server: RemoteServer, messages: list[dict[str, Any]], stream: bool) -> tuple[list[Any], str | None]:
+    """The reply's (id, name, arguments) calls and finish reason, whole or assembled from the stream."""
+    kwargs: dict[str, Any] = {"model": "tiny", "messages": messages, "tools": [WEATHER_TOOL],
+                              "tool_choice": "required", "max_tokens": 48, "temperature": 0}
+    client = server.client()
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        return calls, choice.finish_reason
+    streamed: list[list[str]] = []
+    finish_reason = None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            if delta.id is not None:
+                streamed.append([delta.id, delta.function.name, ""])
+            streamed[delta.index][2] += delta.function.arguments or ""
+        finish_reason = chunk.choices[0].finish_reason or finish_reason
+    return [tuple(call) for call in streamed], finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_call_loop(server: RemoteServer, stream: bool) -> None:
+    """tool_choice "required": the model calls get_weather (its output constrained to the calls'
+    schema); the call and its result go back as messages, and the model answers in text."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather like in Paris?"}]
+    calls, finish_reason = tool_call_reply(server, messages, stream)
+    assert calls and finish_reason == "tool_calls"
+    call_id, name, arguments = calls[0]
+    assert call_id.startswith("chatcmpl-tool-") and name == "get_weather"
+    assert isinstance(json.loads(arguments)["city"], str)
+    messages += [{"role": "assistant", "content": None, "tool_calls": [
+                     {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]},
+                 {"role": "tool", "tool_call_id": call_id, "content": "Sunny, 24 degrees Celsius."}]
+    answer = server.client().chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL],
+                                                     max_tokens=32, temperature=0)
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls

@@ -5,7 +5,9 @@ import logging
 import sys
 
 from minivllm.config import EngineConfig
+from minivllm.reasoning import REASONING_PARSERS
 from minivllm.sampling_params import SamplingParams
+from minivllm.tool_parsers import TOOL_PARSERS
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -123,6 +125,15 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="render chat templates sent with requests (chat_template); refused otherwise")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="let the model call tools (tool_choice 'auto', 'required' or a named function); needs "
+                             "--tool-call-parser")
+    parser.add_argument("--tool-call-parser", default=None,
+                        help=f"the model's tool-call format: {', '.join(sorted(TOOL_PARSERS))} (hermes: Qwen2.5, "
+                             "Qwen3, Hermes; llama3_json: Llama 3.1+)")
+    parser.add_argument("--reasoning-parser", default=None,
+                        help=f"split the model's reasoning from its answer (the message's 'reasoning'): "
+                             f"{', '.join(sorted(REASONING_PARSERS))}")
     parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                         help="serve GET /tokenizer_info: the tokenizer's configuration and chat template (for "
                              "lm-eval's remote tokenizer)")

@@ -413,7 +413,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: np.nd
     if rows is None:
         logits.masked_fill_(blocked, _NEG_INF)
     else:
-        index = _to_device(rows, device)
+        index = to_device(rows, device)
         logits[index] = logits[index].masked_fill_(blocked, _NEG_INF)
 
 

@@ -36,6 +36,7 @@ from minivllm.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from minivllm.entrypoints.openai.serving import EventStream, OpenAIServing
+from minivllm.tool_parsers import tool_parser_class
 
 logger = logging.getLogger(__name__)
 
@@ -332,6 +333,10 @@ def _bind(host: str, port: int) -> socket.socket:
 def run_server(args: argparse.Namespace) -> None:
     """Bind the port, build the engine, serve until SIGINT/SIGTERM, drain, then stop the engine.
     Raises ValueError (before the model loads) on a bad configuration or a port in use."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (the model's tool-call format).")
+    # --tool-call-parser alone is checked but unused, as in vLLM: tool calls need both flags.
+    tool_parser = tool_parser_class(args.tool_call_parser) if args.tool_call_parser is not None else None
     with contextlib.ExitStack() as cleanup:  # undone in reverse order, whatever stops the server
         sock = cleanup.enter_context(_bind(args.host, args.port))
         config = EngineConfig(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -342,12 +347,13 @@ def run_server(args: argparse.Namespace) -> None:
                               tensor_parallel_size=args.tensor_parallel_size, device=args.device,
                               block_size=args.block_size,
                               kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, load_format=args.load_format,
-                              enforce_eager=args.enforce_eager)
+                              enforce_eager=args.enforce_eager, reasoning_parser=args.reasoning_parser)
         names = args.served_model_name or [args.model]
         engine = AsyncLLM(config, model_name=names[0],
                           log_stats_interval_s=None if args.disable_log_stats else 10.0)
         cleanup.callback(engine.shutdown)
-        serving = OpenAIServing(engine, names, args.trust_request_chat_template)
+        serving = OpenAIServing(engine, names, args.trust_request_chat_template,
+                                tool_parser if args.enable_auto_tool_choice else None)
         cleanup.callback(serving.close)
         edge = _EdgeApp(build_app(serving, args.api_key or os.environ.get("VLLM_API_KEY"),
                                   args.enable_tokenizer_info_endpoint))

@@ -9,10 +9,11 @@ hot path.
 
 import dataclasses
 import inspect
+import json
 import logging
 from typing import Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from transformers import PreTrainedTokenizerBase
 
 from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -208,10 +209,46 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCallParam(BaseModel):
+    """A function call in an assistant message: its arguments as JSON text, as OpenAI sends them."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str
+    arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _json(cls, arguments: str) -> str:
+        if arguments:
+            try:
+                json.loads(arguments)
+            except ValueError as error:
+                raise ValueError(f"must be JSON text (the function's arguments): {error}") from None
+        return arguments
+
+
+class ToolCallParam(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+    def as_template_input(self) -> dict[str, Any]:
+        """The call as chat templates take it (vLLM's and transformers' convention): its
+        arguments parsed ({} when empty)."""
+        function = self.function
+        arguments = json.loads(function.arguments) if function.arguments else {}
+        return {**(self.model_extra or {}), "id": self.id, "type": self.type,
+                "function": {**(function.model_extra or {}), "name": function.name, "arguments": arguments}}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+    reasoning: str | None = None  # an assistant's reasoning (for templates that show it again)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -231,11 +268,49 @@ class ChatMessage(BaseModel):
         return content
 
     def as_template_input(self) -> dict[str, Any]:
-        """The message as a chat template takes it: content parts joined into one string."""
+        """The message as a chat template takes it (as vLLM passes it): content parts joined
+        into one string, tool calls' arguments parsed, the reasoning also as
+        `reasoning_content` (Qwen's templates' name)."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
-        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+        message = {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+        if self.tool_calls:  # an empty list is left out: the template's plain assistant turn
+            message["tool_calls"] = [call.as_template_input() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.reasoning is not None:
+            message["reasoning"] = message["reasoning_content"] = self.reasoning
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+    def as_template_input(self) -> dict[str, Any]:
+        return {"type": self.type, "function": self.function.model_dump()}
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice naming the function the model must call."""
+
+    model_config = ConfigDict(strict=True)
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -248,14 +323,37 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     chat_template: str | None = None  # the server refuses it unless it trusts request templates
     chat_template_kwargs: dict[str, Any] | None = None
-    # Refused unless empty: minivllm has no tool calling.
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    # Left out: "auto" with tools, else "none" (as vLLM).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(default=None,
+                                                                                   validate_default=True)
+    parallel_tool_calls: bool | None = True  # false (or null, as vLLM reads it): only the first call is kept
+    include_reasoning: bool = True  # vLLM's: False leaves the reasoning out of the message
+
+    @field_validator("tools")
+    @classmethod
+    def _some_tools(cls, tools: list[ChatTool] | None) -> list[ChatTool] | None:
+        if tools == []:
+            raise ValueError("must not be an empty array: give at least one tool, or leave tools out")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_fits_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        tools: list[ChatTool] | None = info.data.get("tools")
+        if choice is None:
+            return "auto" if tools else "none"
+        if choice == "none":
+            return choice
+        if not tools:
+            raise ValueError("needs tools: give the functions the model may call in tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
+            raise ValueError(f"names the function {choice.function.name!r}, which is not one of tools "
+                             f"({', '.join(t.function.name for t in tools)})")
+        return choice
 
     @model_validator(mode="after")
     def _supported(self) -> "ChatCompletionRequest":
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise ValueError("tools and tool_choice are not supported by minivllm: remove them")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         if self.continue_final_message and self.add_generation_prompt:
@@ -272,9 +370,12 @@ class ChatCompletionRequest(_SamplingRequest):
         return kwargs
 
     def template_kwargs(self) -> dict[str, Any]:
-        """Extra arguments for the chat template call; a template the request brings (in either place
-        vLLM takes it) is among them as `chat_template`, for the server to allow or refuse."""
+        """Extra arguments for the chat template call: the tools (as vLLM passes them), and a template
+        the request brings (in either place vLLM takes it) as `chat_template`, for the server to allow
+        or refuse."""
         kwargs = dict(self.chat_template_kwargs or {})
+        if self.tools is not None:  # with tool_choice "none" too (vLLM's default)
+            kwargs["tools"] = [tool.as_template_input() for tool in self.tools]
         if self.chat_template is not None:
             kwargs["chat_template"] = self.chat_template
         if self.continue_final_message:

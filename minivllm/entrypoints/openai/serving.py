@@ -27,15 +27,25 @@ from tokenizers import AddedToken
 from minivllm.engine.async_llm import AsyncLLM, RequestStream, WireCompletion, WireOutput
 from minivllm.engine.grammar_spec import check_structured_outputs
 from minivllm.entrypoints.chat_renderer import ChatRenderer
+from minivllm.entrypoints.openai.chat_message import MessageParsing, MessageStream
 from minivllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    NamedToolChoice,
     OpenAIError,
     _SamplingRequest,
 )
 from minivllm.outputs import CompletionOutput, Logprob, PromptLogprobs
-from minivllm.sampling_params import SamplingParams
+from minivllm.reasoning import ReasoningParser, reasoning_parser_class
+from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
+from minivllm.tool_parsers.base import ToolParser
+from minivllm.tool_parsers.forced import (
+    NamedFunctionCall,
+    RequiredFunctionCalls,
+    named_function_schema,
+    required_calls_schema,
+)
 
 # The sampling fields a model's generation_config.json may set as defaults (vLLM applies them).
 _GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -105,15 +115,23 @@ class EventStream:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str],
-                 trust_request_chat_template: bool = False) -> None:
+                 trust_request_chat_template: bool = False, tool_parser: type[ToolParser] | None = None) -> None:
         """trust_request_chat_template: render chat templates that requests bring (`chat_template`),
-        as vLLM's --trust-request-chat-template; refused otherwise."""
+        as vLLM's --trust-request-chat-template; refused otherwise. tool_parser: the format of the
+        model's tool calls (--enable-auto-tool-choice with --tool-call-parser); None: no tool calls.
+        The engine's reasoning_parser splits chat replies' reasoning off; raises ValueError if the
+        vocabulary lacks its markers."""
         self.engine = engine
         self.served_model_names = served_model_names
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.max_model_len
         self.sampling_defaults = generation_config_defaults(engine.config.model)
         self.trust_request_chat_template = trust_request_chat_template
+        self.tool_parser = tool_parser
+        name = engine.config.reasoning_parser
+        self.reasoning_parser = reasoning_parser_class(name) if name is not None else None
+        if self.reasoning_parser is not None and self.tokenizer is not None:
+            self.reasoning_parser(self.tokenizer)  # a vocabulary without its markers fails now, not per request
         self.chat_renderer = ChatRenderer(self.tokenizer) if self.tokenizer is not None else None
 
     def close(self) -> None:
@@ -254,19 +272,63 @@ class OpenAIServing:
 
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Awaitable[Json] | EventStream:
         self.check_model(request.model)
+        self._check_tool_choice(request.tool_choice)
         token_ids = await self.chat_prompt(request.messages, request.add_generation_prompt,
                                            request.template_kwargs())
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
             else request.max_tokens
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self._sampling_params(request, max_tokens, num_logprobs, request.prompt_logprobs)
+        reasoning = self.reasoning_parser(self.tokenizer, request.chat_template_kwargs) \
+            if self.reasoning_parser is not None and self.tokenizer is not None else None
+        parsing = message_parsing(request, token_ids, params, self.tool_parser, reasoning)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._start([(None, token_ids)], params, request_id)
         response = _ChatResponse(request_id, request.model or self.served_model_names[0], num_logprobs, params.n,
-                                 streams)
+                                 streams, parsing)
         if request.stream:
             return EventStream(partial(response.stream, request.include_usage))
         return response.gather()
+
+    def _check_tool_choice(self, tool_choice: str | NamedToolChoice | None) -> None:
+        """A 400 for a tool choice that needs tool calling where the server has none (as vLLM)."""
+        if tool_choice == "none" or self.tool_parser is not None:
+            return
+        if tool_choice == "auto":
+            message = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+        else:
+            label = '"required"' if tool_choice == "required" else "naming a function"
+            message = f"tool_choice {label} requires --enable-auto-tool-choice and --tool-call-parser to be set"
+        raise OpenAIError(f"{message} (on the server).", param="tool_choice")
+
+
+def message_parsing(request: ChatCompletionRequest, prompt_token_ids: list[int], params: SamplingParams,
+                    tool_parser: type[ToolParser] | None, reasoning: ReasoningParser | None) -> MessageParsing | None:
+    """How a chat request's replies become messages (None: their text is the content), with the
+    server's tool parser (None: no tool calls; the request was checked for that) and the request's
+    reasoning parser. Tool choices that force calls constrain the output to a JSON schema
+    (params.structured_outputs), as vLLM does."""
+    tools, choice = request.tools, request.tool_choice
+    if not tools or choice == "none":
+        return MessageParsing(prompt_token_ids, reasoning, request.include_reasoning) if reasoning else None
+    assert tool_parser is not None, "tools are called only where the server can (_check_tool_choice)"
+    parser: Callable[[], ToolParser] = tool_parser
+    if isinstance(choice, NamedToolChoice):
+        function = next(tool.function for tool in tools if tool.function.name == choice.function.name)
+        parser = partial(NamedFunctionCall, function.name)
+        params.structured_outputs = StructuredOutputsParams(json=named_function_schema(function.parameters))
+    elif choice == "required":
+        parser = RequiredFunctionCalls
+        try:
+            schema = required_calls_schema([(tool.function.name, tool.function.parameters) for tool in tools])
+        except ValueError as error:
+            raise OpenAIError(f"Invalid request: tools: {error}", param="tools") from error
+        params.structured_outputs = StructuredOutputsParams(json=schema)
+    if tool_parser.needs_special_tokens:  # its markers must stay in the text (as vLLM)
+        params.skip_special_tokens = False
+    return MessageParsing(prompt_token_ids, reasoning, request.include_reasoning, parser,
+                          named=isinstance(choice, NamedToolChoice),
+                          parallel_tool_calls=bool(request.parallel_tool_calls))
 
 
 class _Response:
@@ -341,8 +403,10 @@ class _Response:
             async with _Merged(self.streams) as merged:
                 next_batch, chunk_json = merged.next, self.chunk_json
                 while outputs := await next_batch():
-                    if deltas := self.deltas(outputs):
-                        await send(_body(prefix + between.join(itertools.starmap(chunk_json, deltas)) + suffix))
+                    # A choice whose delta adds nothing yet (a parser holds its text back) is left out.
+                    if choices := [choice for choice in itertools.starmap(chunk_json, self.deltas(outputs))
+                                   if choice is not None]:
+                        await send(_body(prefix + between.join(choices) + suffix))
             if include_usage:
                 await send(_body(_sse({"id": self.id, "object": self.chunk_object_name, "created": self.created,
                                        "model": self.model, "choices": [], "usage": self.usage.as_json()})))
@@ -358,11 +422,13 @@ class _Response:
         """Fields of a whole (non-streamed) response past its usage."""
         return {}
 
-    def chunk_json(self, index: int, delta: WireCompletion) -> str:
-        """A chunk's choice as JSON text (subclasses write the common case from a template)."""
-        return json.dumps(self.chunk_choice(index, CompletionOutput(*delta)))
+    def chunk_json(self, index: int, delta: WireCompletion) -> str | None:
+        """A chunk's choice as JSON text (subclasses write the common case from a template); None
+        if the delta adds nothing to send."""
+        choice = self.chunk_choice(index, CompletionOutput(*delta))
+        return json.dumps(choice) if choice is not None else None
 
-    def chunk_choice(self, index: int, delta: CompletionOutput) -> Json:
+    def chunk_choice(self, index: int, delta: CompletionOutput) -> Json | None:
         raise NotImplementedError
 
     def final_choice(self, index: int, choice: _Choice) -> Json:
@@ -401,7 +467,7 @@ class _CompletionResponse(_Response):
         prompt_text, prompt_token_ids = self.echoes[prompt]
         return prompt_text + text, prompt_token_ids + token_ids, [*self.prompt_logprobs.get(prompt, []), *logprobs]
 
-    def chunk_json(self, index: int, delta: WireCompletion) -> str:
+    def chunk_json(self, index: int, delta: WireCompletion) -> str | None:
         _, text, _, _, _, finish_reason, _ = delta
         if not self.plain or finish_reason is not None:
             return super().chunk_json(index, delta)
@@ -434,9 +500,12 @@ class _ChatResponse(_Response):
     chunk_object_name = "chat.completion.chunk"
 
     def __init__(self, request_id: str, model: str, num_logprobs: int | None, n: int,
-                 streams: list[RequestStream]) -> None:
+                 streams: list[RequestStream], parsing: MessageParsing | None = None) -> None:
+        """parsing: how outputs become messages (reasoning, tool calls); None: the text is the content."""
         super().__init__(request_id, model, n, streams)
         self.num_logprobs = num_logprobs
+        self.parsing = parsing
+        self.message_streams: dict[int, MessageStream] = {}  # per choice, while streaming with parsing
 
     def response_fields(self) -> Json:
         return {"prompt_logprobs": _prompt_logprobs_json(self.prompt_logprobs.get(0))}
@@ -446,23 +515,41 @@ class _ChatResponse(_Response):
         return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None} for i in range(num_choices)]
 
-    def chunk_json(self, index: int, delta: WireCompletion) -> str:
+    def chunk_json(self, index: int, delta: WireCompletion) -> str | None:
         _, text, _, _, _, finish_reason, _ = delta
-        if self.num_logprobs is not None or finish_reason is not None:
+        if self.num_logprobs is not None or finish_reason is not None or self.parsing is not None:
             return super().chunk_json(index, delta)
         # chunk_choice's JSON (a running choice has no stop reason).
         return (f'{{"index": {index}, "delta": {{"content": {encode_basestring_ascii(text)}}}, '
                 '"logprobs": null, "finish_reason": null, "stop_reason": null}')
 
-    def chunk_choice(self, index: int, delta: CompletionOutput) -> Json:
-        return {"index": index, "delta": {"content": delta.text},
-                "logprobs": self._logprobs(delta.token_ids, delta.logprobs),
-                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+    def chunk_choice(self, index: int, delta: CompletionOutput) -> Json | None:
+        message: Json = {"content": delta.text}
+        finish_reason = delta.finish_reason
+        if self.parsing is not None:
+            stream = self.message_streams.get(index)
+            if stream is None:
+                stream = self.message_streams[index] = self.parsing.stream()
+            if finish_reason is None:
+                parsed = stream.feed(delta.text)
+            else:
+                parsed, finish_reason = stream.finish(delta.text, finish_reason)
+            message = parsed.as_json()
+            if not message and finish_reason is None and self.num_logprobs is None:
+                return None
+        return {"index": index, "delta": message, "logprobs": self._logprobs(delta.token_ids, delta.logprobs),
+                "finish_reason": finish_reason, "stop_reason": delta.stop_reason}
 
     def final_choice(self, index: int, choice: _Choice) -> Json:
-        return {"index": index, "message": {"role": "assistant", "content": "".join(choice.text)},
-                "logprobs": self._logprobs(choice.token_ids, choice.logprobs),
-                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+        text = "".join(choice.text)
+        if self.parsing is None:
+            message: Json = {"role": "assistant", "content": text, "reasoning": None}
+            finish_reason = choice.finish_reason
+        else:
+            parsed, finish_reason = self.parsing.parse(text, choice.finish_reason)
+            message = parsed.as_json()
+        return {"index": index, "message": message, "logprobs": self._logprobs(choice.token_ids, choice.logprobs),
+                "finish_reason": finish_reason, "stop_reason": choice.stop_reason}
 
     def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None) -> Json | None:
         if self.num_logprobs is None or logprobs is None:
