@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.schemas import leading_object_counts
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # W1 as benchmarks/README.md defines it, and the totals it must produce at full size.
@@ -229,28 +231,37 @@ def startup_metrics(llm: Any, startup: float) -> dict[str, Any]:
     return {"startup_s": startup, "graph_capture_s": graphs.capture_seconds if graphs else None}
 
 
-def warmup_llm(llm: Any, vocab_size: int, prefix_hit: bool = False) -> None:
-    """One short request so the timed run sees no first-call costs; with prefix_hit a
+def warmup_llm(llm: Any, vocab_size: int, prefix_hit: bool = False, schema: dict[str, Any] | None = None) -> None:
+    """One short request so the timed run sees no first-call costs (with the timed run's JSON
+    schema, if any: the grammar backend's start and the schema's compilation); with prefix_hit a
     second one that starts with the first's prompt, so that the prefill-over-a-cached-
     prefix path is compiled too (W3)."""
     prompt = warmup_prompt(vocab_size)
-    timed_generate(llm, [Request(prompt, 16)], temperature=0.0)
+    timed_generate(llm, [Request(prompt, 16)], temperature=0.0, schema=schema)
     if prefix_hit:
         timed_generate(llm, [Request(prompt + prompt[:8], 16)], temperature=0.0)
 
 
-def timed_generate(llm: Any, requests: list[Request], temperature: float) -> dict[str, Any]:
+def timed_generate(llm: Any, requests: list[Request], temperature: float,
+                   schema: dict[str, Any] | None = None) -> dict[str, Any]:
     """One timed llm.generate() over the requests (ignore_eos, each its own max_tokens);
-    returns throughput_metrics of that run."""
+    returns throughput_metrics of that run. With a JSON schema every request carries it
+    (structured_outputs), and the metrics count the texts that begin with an object valid
+    under it (schemas.leading_object_counts; checked after the timed run)."""
     from minivllm import SamplingParams
+    from minivllm.sampling_params import StructuredOutputsParams
 
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=r.max_tokens)
+    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=r.max_tokens,
+                             structured_outputs=None if schema is None else StructuredOutputsParams(json=schema))
               for r in requests]
     with Timer() as t:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return throughput_metrics(requests, output_tokens, t.seconds)
+    metrics = throughput_metrics(requests, output_tokens, t.seconds)
+    if schema is not None:
+        metrics |= leading_object_counts([o.outputs[0].text for o in outputs], schema)
+    return metrics
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:

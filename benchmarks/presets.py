@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shutil
 from typing import Any
 
 import transformers
@@ -73,17 +74,22 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def write_preset(name: str, save_dir: str) -> str:
-    """Write a preset's config.json and the demo tokenizer (no weights: load it with
-    load_format="dummy") to save_dir; return save_dir."""
+def write_preset(name: str, save_dir: str, tokenizer_dir: str | None = None) -> str:
+    """Write a preset's config.json and a tokenizer (no weights: load it with
+    load_format="dummy") to save_dir; return save_dir. The tokenizer is the demo one, or
+    the one in tokenizer_dir."""
     if name not in PRESETS:
         raise ValueError(f"Unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}.")
-    tokenizer = build_tokenizer(save_dir)
+    if tokenizer_dir is None:
+        tokenizer = build_tokenizer(save_dir)
+        eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    else:  # its files as they are: a re-save could change them for another transformers' reading
+        shutil.copytree(tokenizer_dir, save_dir, dirs_exist_ok=True)
+        eos_id = transformers.AutoTokenizer.from_pretrained(save_dir).eos_token_id
     config = dict(PRESETS[name])
     model_type = config.pop("model_type")
-    # Stop ids must mean something to the tokenizer that ships with the preset: use the
-    # demo tokenizer's <|endoftext|> (ids past its 768 tokens decode to nothing).
-    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    # Stop ids must mean something to the tokenizer that ships with the preset: its EOS (the
+    # demo tokenizer's <|endoftext|>; ids past the tokenizer's vocabulary decode to nothing).
     config.update(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
     transformers.AutoConfig.for_model(model_type, **config).save_pretrained(save_dir)
     return save_dir

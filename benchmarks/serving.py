@@ -1,8 +1,9 @@
-"""W4 — online serving: load an OpenAI-compatible server as `vllm bench serve` does.
+"""W4 and W6 — online serving: load an OpenAI-compatible server as `vllm bench serve` does.
 
     python -m benchmarks.serving --base-url http://127.0.0.1:8000 --model m --tokenizer DIR \\
         --max-concurrency 64 --num-prompts 640 --num-warmups 16
     python -m benchmarks.serving --base-url http://127.0.0.1:8000 --model m --tokenizer DIR --w4
+    python -m benchmarks.serving --base-url http://127.0.0.1:8000 --model m --tokenizer DIR --w6 [--distinct-schemas]
 
 For machines without vLLM; the server is minivllm's (`python -m minivllm serve MODEL_DIR
 --served-model-name m ...`) or vLLM's. The prompts are vLLM's random dataset, drawn as vLLM
@@ -11,6 +12,12 @@ For machines without vLLM; the server is minivllm's (`python -m minivllm serve M
 TTFT = first token event - send; ITL = gaps between token events, pooled; E2EL = last token
 event - send; TPOT = (E2EL - TTFT) / (output tokens - 1) for requests with more than one;
 token counts from the server's usage chunk; throughputs over the wall time of the whole run.
+
+--w6 sends W6's requests instead (benchmarks/README.md): prompts drawn as W4's but with seed 1
+(2 with --distinct-schemas), each carrying W6's JSON schema as response_format (its own copy,
+renamed, with --distinct-schemas), sampled at temperature 1 and ending where the object closes
+(max_tokens W6_MAX_TOKENS, no ignore_eos). Every reply is checked to be one JSON document valid
+under its request's schema; the share that is counts with the figures.
 """
 
 from __future__ import annotations
@@ -25,13 +32,14 @@ import math
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
 import numpy as np
 
 from benchmarks.common import environment
+from benchmarks.schemas import W6_MAX_TOKENS, reply_error, response_format
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,7 @@ class Prompt:
     text: str
     prompt_len: int  # tokens, by the client's tokenizer (the server's usage count replaces it)
     output_len: int  # max_tokens
+    response_format: dict[str, Any] | None = None  # W6's: a JSON schema
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,10 @@ class Regime:
 # W4's three regimes (benchmarks/README.md), as vLLM's staged .vl/tools/vllm_w4.sh runs them.
 W4_REGIMES = (Regime(64, 1, math.inf), Regime(640, 64, math.inf), Regime(1000, None, math.inf))
 W4_WARMUPS = 16
+# W6's: W4's last two. Their own prompt seeds, so that W4 and both W6 variants can run one
+# after the other on one server without one's prompts hitting the prefix cache of another's.
+W6_REGIMES = W4_REGIMES[1:]
+W6_SEED, W6_DISTINCT_SEED = 1, 2
 
 
 @dataclass
@@ -62,6 +75,8 @@ class RequestResult:
     token_times: list[float] = field(default_factory=list)  # arrivals of the token events
     output_tokens: int = 0
     error: str | None = None
+    text: list[str] = field(default_factory=list)  # the reply's pieces, kept for W6's requests
+    finish_reason: str | None = None  # kept for W6's requests
 
 
 # ----------------------------------------------------------------------------- workload
@@ -142,14 +157,24 @@ async def sse_data(response: httpx.Response) -> AsyncIterator[bytes]:
                 yield line[5:].strip()
 
 
+def request_body(model: str, prompt: Prompt) -> dict[str, Any]:
+    """A streamed completion with usage: W4's (greedy, ignore_eos) or, for a prompt with a
+    response_format, W6's (temperature 1, ending where the object closes)."""
+    body = {"model": model, "prompt": prompt.text, "max_tokens": prompt.output_len,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if prompt.response_format is None:
+        return body | {"temperature": 0.0, "ignore_eos": True}
+    return body | {"temperature": 1.0, "response_format": prompt.response_format}
+
+
 async def send_request(client: httpx.AsyncClient, url: str, model: str, prompt: Prompt) -> RequestResult:
     """One streamed completion: when each token event arrives (any event with a choice, its
-    text possibly empty, as vLLM counts them) and the usage chunk's counts."""
-    payload = {"model": model, "prompt": prompt.text, "max_tokens": prompt.output_len, "temperature": 0.0,
-               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    text possibly empty, as vLLM counts them) and the usage chunk's counts; for W6's requests
+    the text and finish reason too."""
+    keep_text = prompt.response_format is not None
     result = RequestResult(start=time.perf_counter(), prompt_tokens=prompt.prompt_len)
     try:
-        async with client.stream("POST", url, json=payload) as response:
+        async with client.stream("POST", url, json=request_body(model, prompt)) as response:
             if response.status_code != 200:
                 body = (await response.aread()).decode(errors="replace")
                 result.error = f"HTTP {response.status_code}: {body}"
@@ -161,8 +186,11 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, prompt: 
                 if "error" in event:
                     result.error = f"error event: {event['error']}"
                     return result
-                if event.get("choices"):
+                if choices := event.get("choices"):
                     result.token_times.append(time.perf_counter())
+                    if keep_text:
+                        result.text.append(choices[0]["text"])
+                        result.finish_reason = choices[0].get("finish_reason") or result.finish_reason
                 elif usage := event.get("usage"):
                     result.prompt_tokens = usage.get("prompt_tokens", prompt.prompt_len)
                     result.output_tokens = usage["completion_tokens"]
@@ -180,7 +208,8 @@ async def run_regime(clients: list[httpx.AsyncClient], base_url: str, model: str
                      percentiles: tuple[float, ...] = (50, 90, 99)) -> dict[str, Any]:
     """Send the prompts under the regime: each at its arrival time, then in order with at most
     max_concurrency in flight, request i on client i mod the number of clients the regime
-    needs. Returns summarize() of the run and the share of it this process spent on the CPU."""
+    needs. Returns summarize() of the run, the share of it this process spent on the CPU and,
+    for W6's prompts, check_replies()."""
     url = base_url.rstrip("/") + "/v1/completions"
     slots = regime.max_concurrency or len(prompts)
     in_flight = asyncio.Semaphore(slots)
@@ -196,7 +225,26 @@ async def run_regime(clients: list[httpx.AsyncClient], base_url: str, model: str
     results = await asyncio.gather(*(arrive(i, p, t) for i, (p, t) in enumerate(zip(prompts, arrivals))))
     duration = time.perf_counter() - start
     cpu_busy = (time.process_time() - cpu_start) / duration
-    return summarize(results, duration, percentiles) | {"client_cpu_busy": cpu_busy}
+    metrics = summarize(results, duration, percentiles) | {"client_cpu_busy": cpu_busy}
+    if any(p.response_format is not None for p in prompts):
+        metrics |= check_replies(prompts, results)
+    return metrics
+
+
+def check_replies(prompts: list[Prompt], results: list[RequestResult]) -> dict[str, Any]:
+    """W6: how many successful replies are one JSON document valid under their request's
+    schema (a server that enforces the schemas gets them all), with the first reasons why not."""
+    checked, problems = 0, []
+    for prompt, result in zip(prompts, results):
+        if result.error is not None or prompt.response_format is None:
+            continue
+        checked += 1
+        problem = reply_error("".join(result.text), prompt.response_format["json_schema"]["schema"])
+        if problem is not None:
+            problems.append(f"{problem} (finish_reason {result.finish_reason})")
+    return {"valid_replies": checked - len(problems), "invalid_replies": len(problems),
+            "valid_fraction": (checked - len(problems)) / checked if checked else 0.0,
+            "invalid_examples": problems[:5]}
 
 
 # ------------------------------------------------------------------------------ metrics
@@ -259,6 +307,14 @@ def print_table(metrics: dict[str, Any], regime: Regime, percentiles: tuple[floa
                   ("Peak output token throughput (tok/s):", metrics["max_output_tokens_per_s"]),
                   ("Peak concurrent requests:", float(metrics["max_concurrent_requests"])),
                   ("Total token throughput (tok/s):", metrics["total_token_throughput"])])
+    if "valid_replies" in metrics:
+        print("Structured output".center(50, "-"))
+        for problem in metrics["invalid_examples"]:
+            print(f"Invalid: {problem}")
+        print_rows([("Valid JSON replies:", metrics["valid_replies"]),
+                    ("Invalid JSON replies:", metrics["invalid_replies"]),
+                    ("Mean output tokens per request:",
+                     metrics["total_output_tokens"] / max(1, metrics["completed"]))])
     for name, (short, title) in TITLES.items():
         print(title.center(50, "-"))
         print_rows([(f"Mean {short} (ms):", metrics[f"mean_{name}_ms"]),
@@ -273,14 +329,14 @@ def print_table(metrics: dict[str, Any], regime: Regime, percentiles: tuple[floa
 # --------------------------------------------------------------------------------- main
 
 
-def append_json(path: str, args: argparse.Namespace, env: dict[str, Any], regime: Regime,
+def append_json(path: str, workload: str, args: argparse.Namespace, env: dict[str, Any], regime: Regime,
                 metrics: dict[str, Any]) -> None:
     """One JSON line: the environment, the arguments, the regime and every figure
     (an infinite rate as "inf", as vLLM writes it)."""
     def plain(value: Any) -> Any:
         return "inf" if value == math.inf else value
 
-    line = {"workload": "W4", "backend": args.label, **env, "args": {k: plain(v) for k, v in vars(args).items()},
+    line = {"workload": workload, "backend": args.label, **env, "args": {k: plain(v) for k, v in vars(args).items()},
             "num_prompts": regime.num_prompts, "max_concurrency": regime.max_concurrency,
             "request_rate": plain(regime.request_rate), **metrics}
     with open(path, "a") as f:
@@ -289,31 +345,49 @@ def append_json(path: str, args: argparse.Namespace, env: dict[str, Any], regime
 
 async def benchmark(args: argparse.Namespace, regimes: list[Regime], num_warmups: int) -> None:
     """Each regime in turn on its own prompts (as separate `vllm bench serve` calls draw
-    them); the warm-ups repeat the first regime's first prompt before it, under its limit."""
+    them); the warm-ups repeat the first regime's first prompt before it, under its limit.
+    With --w6 every request carries W6's schema: index 0 (the one fixed schema) or, with
+    --distinct-schemas, the next index of this run, warm-ups included (no two alike); a failed
+    request or an invalid reply makes the exit status 1, once every regime has run."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     env = environment()
     percentiles = tuple(float(p) for p in args.metric_percentiles.split(","))
+    workload = ("W6-distinct" if args.distinct_schemas else "W6") if args.w6 else "W4"
+    schema_indices = itertools.count(1) if args.distinct_schemas else itertools.repeat(0)
+
+    def shaped(prompts: list[Prompt]) -> list[Prompt]:
+        if not args.w6:
+            return prompts
+        return [replace(p, output_len=W6_MAX_TOKENS, response_format=response_format(next(schema_indices)))
+                for p in prompts]
+
+    faults = 0
     async with open_clients(max(r.max_concurrency or r.num_prompts for r in regimes)) as clients:
         for i, regime in enumerate(regimes):
             prompts = random_prompts(tokenizer, regime.num_prompts, args.random_input_len,
                                      args.random_output_len, args.random_range_ratio, args.seed)
             if i == 0 and num_warmups:
-                warm = await run_regime(clients, args.base_url, args.model, prompts[:1] * num_warmups,
+                warm = await run_regime(clients, args.base_url, args.model, shaped(prompts[:1] * num_warmups),
                                         Regime(num_warmups, regime.max_concurrency, math.inf))
                 if warm["failed"]:
                     raise SystemExit(f"warm-up failed: {warm['errors'][0]}")
-            print(f"== W4 [{args.label}] {regime}", flush=True)
+            prompts = shaped(prompts)
+            print(f"== {workload} [{args.label}] {regime}", flush=True)
             gc.collect()
             gc.freeze()  # as vLLM's client: no collector passes over the long-lived objects
             metrics = await run_regime(clients, args.base_url, args.model, prompts, regime, args.seed, percentiles)
             print_table(metrics, regime, percentiles)
             if args.json_out:
-                append_json(args.json_out, args, env, regime, metrics)
+                append_json(args.json_out, workload, args, env, regime, metrics)
+            if args.w6:
+                faults += metrics["failed"] + metrics["invalid_replies"]
+    if faults:
+        raise SystemExit(f"{workload}: {faults} requests failed or replied outside their schema")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", required=True, help="the served model name")
@@ -322,22 +396,42 @@ def main() -> None:
     parser.add_argument("--random-input-len", type=int, default=1024)
     parser.add_argument("--random-output-len", type=int, default=128)
     parser.add_argument("--random-range-ratio", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None,
+                        help=f"draws the prompts (default 0; with --w6 {W6_SEED}, {W6_DISTINCT_SEED} with "
+                             "--distinct-schemas)")
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: any)")
     parser.add_argument("--request-rate", type=float, default=math.inf,
                         help="Poisson arrivals per second (default inf: all at once)")
     parser.add_argument("--num-warmups", type=int, default=None,
-                        help=f"warm-up requests before the (first) regime; default 0, {W4_WARMUPS} with --w4")
+                        help=f"warm-up requests before the (first) regime; default 0, {W4_WARMUPS} with --w4 or --w6")
     parser.add_argument("--metric-percentiles", default="50,90,99")
     parser.add_argument("--w4", action="store_true",
-                        help="BENCH.md's three W4 regimes in turn, instead of --num-prompts, --max-concurrency "
+                        help="W4's three regimes in turn, instead of --num-prompts, --max-concurrency "
                              "and --request-rate")
+    parser.add_argument("--w6", action="store_true",
+                        help="W6: W4's last two regimes, every request with W6's JSON schema as response_format, "
+                             "every reply checked against it")
+    parser.add_argument("--distinct-schemas", action="store_true",
+                        help="with --w6: each request its own schema (renamed fields: no grammar cache hits)")
     parser.add_argument("--json-out", default=None, help="append one JSON line per regime to this file")
-    args = parser.parse_args()
+    return parser
 
-    regimes = list(W4_REGIMES) if args.w4 else [Regime(args.num_prompts, args.max_concurrency, args.request_rate)]
-    num_warmups = args.num_warmups if args.num_warmups is not None else (W4_WARMUPS if args.w4 else 0)
+
+def main() -> None:
+    parser = build_parser()
+    args = parser.parse_args()
+    if args.w4 and args.w6:
+        parser.error("--w4 and --w6 are different workloads: give one")
+    if args.distinct_schemas and not args.w6:
+        parser.error("--distinct-schemas needs --w6")
+    if args.seed is None:
+        args.seed = (W6_DISTINCT_SEED if args.distinct_schemas else W6_SEED) if args.w6 else 0
+    if args.w4 or args.w6:
+        regimes = list(W4_REGIMES if args.w4 else W6_REGIMES)
+    else:
+        regimes = [Regime(args.num_prompts, args.max_concurrency, args.request_rate)]
+    num_warmups = args.num_warmups if args.num_warmups is not None else (W4_WARMUPS if args.w4 or args.w6 else 0)
     asyncio.run(benchmark(args, regimes, num_warmups))
 
 

@@ -5,6 +5,7 @@
     python -m benchmarks.throughput --model /path/tiny --scale 0.02    # CPU smoke run
     python -m benchmarks.throughput --model qwen3-0.6b --step-breakdown  # where the time goes
     python -m benchmarks.throughput --model qwen3-0.6b --repeats 3       # the median of 3 runs
+    python -m benchmarks.throughput --model qwen3-0.6b --json-schema     # W1 with W6's schema on every request
 
 Start-up (construction: load, profile, graph capture) is timed apart from generate().
 --repeats N times N runs on one engine (the prefix cache reset between them) and reports the
@@ -12,6 +13,9 @@ median. --step-breakdown also sums the time between successive step launches by 
 or mixed; decode by batch size), and each step's device time. With the device the bottleneck,
 the engine launches a step as soon as the one before it finished, so these intervals are the
 steps' durations; an interval longer than its step's device time is the device waiting.
+--json-schema gives every request W6's JSON schema (structured_outputs=StructuredOutputsParams(
+json=...), benchmarks/schemas.py), the warm-up request too, and counts the outputs that begin
+with an object valid under it: W1-json.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from benchmarks.common import (
     warmup_llm,
     warmup_prompt,
 )
+from benchmarks.schemas import w6_schema
 
 
 def run_minivllm(args: argparse.Namespace, spec: ModelSpec, requests: list[Request]) -> dict[str, Any]:
@@ -52,14 +57,15 @@ def run_minivllm(args: argparse.Namespace, spec: ModelSpec, requests: list[Reque
     median run's with every run's tok/s. Between runs the prefix cache is reset, so that each
     run finds none of the last one's prompts cached and gets its pages in the same order."""
     llm, startup = make_llm(args, spec)
-    warmup_llm(llm, spec.vocab_size)
+    schema = w6_schema() if args.json_schema else None
+    warmup_llm(llm, spec.vocab_size, schema=schema)
     runs = []
     for repeat in range(args.repeats):
         if repeat and not llm.reset_prefix_cache():
             raise RuntimeError("the engine still holds KV blocks after generate(): a run's requests leaked")
         before = engine_stats(llm)
         breakdown = record_step_kinds(llm) if args.step_breakdown else None
-        metrics = timed_generate(llm, requests, W1_TEMPERATURE)
+        metrics = timed_generate(llm, requests, W1_TEMPERATURE, schema=schema)
         if breakdown is not None:
             metrics["step_breakdown"] = breakdown()
         runs.append(metrics | stats_delta(before, engine_stats(llm), ("num_preemptions",)))
@@ -210,14 +216,18 @@ def main() -> None:
                         help="minivllm: time per kind of step (prefill/mixed, decode by batch size)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="minivllm: timed runs on one engine (the median is reported, with every run's tok/s)")
+    parser.add_argument("--json-schema", action="store_true",
+                        help="minivllm: every request carries W6's JSON schema (W1-json)")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.json_schema and args.backend != "minivllm":
+        parser.error("--json-schema is for the minivllm backend")
 
     spec = resolve_model(args.model, args.load_format)
     requests = w1_requests(args.num_prompts, args.scale, spec.vocab_size)
     run = run_minivllm if args.backend == "minivllm" else run_hf
-    report("W1", args.backend, args, run(args, spec, requests))
+    report("W1-json" if args.json_schema else "W1", args.backend, args, run(args, spec, requests))
 
 
 if __name__ == "__main__":

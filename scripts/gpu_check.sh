@@ -9,6 +9,8 @@
 #   tests  python3 -m pytest -m gpu -v tests (one line per test: a step cut by STEP_TIMEOUT still shows progress)
 #   w1     W1 throughput, qwen3-0.6b, time per kind of step, median of 3 runs on one engine (~1 min incl. start-up)
 #   w1_fp8 W1 throughput, qwen3-0.6b, FP8 KV cache, median of 3 runs   (~1 min)
+#   w1_json W1 with W6's JSON schema on every request (structured_outputs), as w1 (~1 min): beside
+#          w1 in one run (GPU_CHECK=w1,w1_json). Needs xgrammar and apache-tvm-ffi (as w6)
 #   w5     W1's requests on qwen3-30b-a3b (MoE, dummy weights)        (~2-3 min)
 #   moe    fused_moe.py at Qwen3-30B-A3B's expert shapes, with the tile sweep (~1.5 min)
 #   fp8    decode attention on W1's batches over an FP8 cache, split and tile sweep (~3 min)
@@ -18,6 +20,12 @@
 #          benchmarks.serving --w4, three regimes (~1.5 min). Needs the server's packages (carry .whl
 #          with fastapi, starlette, uvicorn, httptools, pydantic and theirs); W4_TOKENIZER: a tokenizer
 #          directory for the server and the client (default: the preset's demo tokenizer)
+#   w6     W6 structured serving: `python3 -m minivllm serve` (W4's model and flags, and JSON without
+#          free whitespace: --structured-outputs-config) under benchmarks.serving: W4's concurrency 64
+#          and rate inf (the in-run reference), then --w6 and --w6 --distinct-schemas (~3 min). Needs
+#          w4's packages and xgrammar with apache-tvm-ffi (carry .whl with them too: their cp312 wheels
+#          are in .vl/b4); W6_TOKENIZER: a tokenizer directory (default .vl/tools/tokenizer, SmolLM2's:
+#          W6's definition). An invalid reply fails the step
 #   hf     W1 on transformers continuous batching, qwen3-0.6b, with --num-prompts 128:
 #          the full 256 requests are 133,966 tokens, ~3.6 min at the ~620 tok/s transformers
 #          reaches on an H200; the first 128 drawn the same way are 66,720 tokens, ~1.8 min.
@@ -36,6 +44,8 @@
 #          its scripts, staged on the GPU machine as .vl/: benchmarks/README.md) and carry .vl/tools;
 #          start-up ~80-110 s each. Not part of "all". RESULTS.md's table: GPU_CHECK=w1,vllm_w1,
 #          GPU_CHECK=w1_fp8,vllm_w1_fp8 and GPU_CHECK=w2,vllm_w2w3,w3.
+#   vllm_w6  w6 on vLLM 0.20.1's server (staged as above, carry .vl/tools), the same client, model,
+#          tokenizer and flags; its start-up ~2 min. W6's pair: GPU_CHECK=w6,vllm_w6
 #
 # Environment: OUT (logs; default /tmp/gpu_check), BENCH_ARGS (extra arguments for every
 # benchmark, e.g. "--enforce-eager"), STEP_TIMEOUT (seconds per step, default 480),
@@ -90,23 +100,66 @@ bench() {  # bench NAME SCRIPT ARGS...: a benchmark with the shared arguments (a
     ab "$name" python3 -m "benchmarks.${script%.py}" "$@" --json-out "$RESULTS" $BENCH_ARGS
 }
 
+# W4's server: qwen3-0.6b's config with dummy weights, served as "m" on port 8000.
+SERVER_FLAGS="--load-format dummy --dtype bfloat16 --served-model-name m --port 8000 --max-model-len 4096
+    --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.9 --enable-prefix-caching
+    --disable-uvicorn-access-log"
+CLIENT="python3 -m benchmarks.serving --base-url http://127.0.0.1:8000 --model m"
+
+start_server() {  # start_server MODEL_DIR TOKENIZER_DIR LOG COMMAND...: writes the model (TOKENIZER_DIR "": the demo
+    # tokenizer), runs COMMAND $SERVER_FLAGS in the background (SERVER_PID); 0 once /health answers
+    local model="$1" tokenizer="$2" log="$3"; shift 3
+    python3 -c "import sys; from benchmarks.presets import write_preset; write_preset('qwen3-0.6b', *sys.argv[1:])" \
+        "$model" ${tokenizer:+"$tokenizer"} || return 1
+    # shellcheck disable=SC2086  # SERVER_FLAGS is a word list on purpose
+    "$@" $SERVER_FLAGS > "$log" 2>&1 &
+    SERVER_PID=$!
+    local up="import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)"
+    for _ in $(seq 300); do
+        python3 -c "$up" 2>/dev/null && return 0
+        kill -0 $SERVER_PID 2>/dev/null || break
+        sleep 1
+    done
+    echo "the server did not come up:"; tail -30 "$log"; kill $SERVER_PID 2>/dev/null; return 1
+}
+
 serve_w4() {  # W4 on the tree in the current directory: its server, benchmarks.serving's three regimes
-    local model=/tmp/w4-model port=8000 rc
-    python3 -c "from benchmarks.presets import write_preset; write_preset('qwen3-0.6b', '$model')" || return 1
-    [[ -n "${W4_TOKENIZER:-}" ]] && cp "$W4_TOKENIZER"/* "$model"/
-    python3 -m minivllm serve "$model" --load-format dummy --dtype bfloat16 --served-model-name m --port $port \
-        --max-model-len 4096 --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.9 \
-        --disable-uvicorn-access-log > "$OUT/w4-server-${MINIVLLM_COMMIT:-tree}.log" 2>&1 &
-    local pid=$! up="import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)"
-    for _ in $(seq 300); do python3 -c "$up" 2>/dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 1; done
-    python3 -m benchmarks.serving --base-url "http://127.0.0.1:$port" --model m --tokenizer "$model" --w4 \
-        --label minivllm --json-out "$RESULTS"
+    local rc
+    start_server /tmp/w4-model "${W4_TOKENIZER:-}" "$OUT/w4-server-${MINIVLLM_COMMIT:-tree}.log" \
+        python3 -m minivllm serve /tmp/w4-model || return 1
+    $CLIENT --tokenizer /tmp/w4-model --w4 --label minivllm --json-out "$RESULTS"
     rc=$?
-    kill -TERM $pid; wait $pid || rc=1  # the server drains and exits 0
+    kill -TERM $SERVER_PID; wait $SERVER_PID || rc=1  # the server drains and exits 0
     return $rc
 }
-export -f serve_w4
-export OUT RESULTS
+
+serve_w6() {  # serve_w6 LABEL COMMAND...: W6 on the server COMMAND starts (W4's flags, JSON without free
+    # whitespace): W4's concurrency 64 and rate inf (the in-run reference), then W6, then W6 with distinct schemas
+    local label="$1" model=/tmp/w6-model rc=0; shift
+    [[ -d "$W6_TOKENIZER" ]] || { echo "W6_TOKENIZER=$W6_TOKENIZER: no such directory (W6 uses SmolLM2's tokenizer)"; return 1; }
+    start_server "$model" "$W6_TOKENIZER" "$OUT/w6-$label-server-${MINIVLLM_COMMIT:-tree}.log" "$@" "$model" \
+        --structured-outputs-config '{"disable_any_whitespace": true}' || return 1
+    local client="$CLIENT --tokenizer $model --label $label --json-out $RESULTS"
+    $client --max-concurrency 64 --num-prompts 640 --num-warmups 16 || rc=1
+    $client --num-prompts 1000 || rc=1
+    $client --w6 || rc=1
+    $client --w6 --distinct-schemas || rc=1
+    kill -TERM $SERVER_PID; wait $SERVER_PID  # not judged: servers differ (uvicorn re-raises SIGTERM: 143)
+    echo "the server exited with $?"
+    return $rc
+}
+
+vllm_serve() {  # vLLM's `vllm serve` from the staged wheel set, with the packages its server needs beyond
+    # the engine (.vl/tools/srv, installed as .vl/tools/vllm_w4.sh installs them); exec: its pid is the server's
+    if [[ -d .vl/tools/srv && ! -d /tmp/vlsrv ]]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vlsrv .vl/tools/srv/*.whl || return 1
+    fi
+    PYTHONPATH=/tmp/vlsite:/tmp/vlsrv${PYTHONPATH:+:$PYTHONPATH} VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
+        TRANSFORMERS_OFFLINE=1 exec python3 -m vllm.entrypoints.cli.main serve "$@"
+}
+W6_TOKENIZER="${W6_TOKENIZER:-$PWD/.vl/tools/tokenizer}"  # absolute: AB_BASE's steps run in another directory
+export -f start_server serve_w4 serve_w6 vllm_serve
+export OUT RESULTS SERVER_FLAGS CLIENT W6_TOKENIZER
 
 ab() {  # ab NAME COMMAND...: run the command from this tree, after AB_BASE's when given (AB_ROUNDS pairs)
     local name="$1"; shift
@@ -122,10 +175,17 @@ ab() {  # ab NAME COMMAND...: run the command from this tree, after AB_BASE's wh
     done
 }
 
+vllm_staged() {  # vllm_staged NAME: whether vLLM is staged on this machine (if not, step NAME fails saying so)
+    [[ -d /tmp/vlsite ]] && return 0
+    echo "[$1] vLLM is not staged on this machine (stage its wheel set from .vl/: benchmarks/README.md)"
+    failed=1
+    return 1
+}
+
 peer() {  # peer NAME [ENV=VALUE...] SCRIPT ARGS...: one of vLLM's scripts (.vl/tools), vLLM from /tmp/vlsite
     local name="$1"; shift
-    [[ -d /tmp/vlsite ]] || { echo "[$name] vLLM is not staged on this machine (stage its wheel set from .vl/: benchmarks/README.md)"; failed=1; return 0; }
-    run_step "$name" env PYTHONPATH=/tmp/vlsite "$@"
+    vllm_staged "$name" && run_step "$name" env PYTHONPATH=/tmp/vlsite "$@"
+    return 0
 }
 
 {
@@ -151,9 +211,11 @@ for step in ${GPU_CHECK//,/ }; do
                    -p no:cacheprovider tests/test_tensor_parallel.py ;;
         w1)    bench w1 throughput.py --model qwen3-0.6b --step-breakdown --repeats 3 ;;
         w1_fp8) bench w1_fp8 throughput.py --model qwen3-0.6b --kv-cache-dtype fp8 --repeats 3 ;;
+        w1_json) bench w1_json throughput.py --model qwen3-0.6b --json-schema --step-breakdown --repeats 3 ;;
         w2)    bench w2 latency.py --model qwen3-0.6b ;;
         w3)    bench w3 prefix_cache.py --model qwen3-0.6b --step-breakdown ;;
         w4)    ab w4 bash -c serve_w4 ;;
+        w6)    ab w6 bash -c 'serve_w6 minivllm python3 -m minivllm serve' ;;
         w5)    bench w5 throughput.py --model qwen3-30b-a3b --step-breakdown ;;
         moe)   run_step moe_kernels python3 -m benchmarks.kernels.fused_moe --sweep ;;
         fp8)   run_step decode_w1_fp8 python3 -m benchmarks.kernels.decode_w1 --every 64 --sweep --kv-cache-dtype fp8 ;;
@@ -176,7 +238,9 @@ for step in ${GPU_CHECK//,/ }; do
         vllm_w1_fp8) peer vllm_w1_fp8 python3 .vl/tools/vllm_w1.py --kv-cache-dtype fp8 ;;
         vllm_w1_triton) peer vllm_w1_triton python3 scripts/vllm_backend.py TRITON_ATTN .vl/tools/vllm_w1.py ;;
         vllm_w2w3)   peer vllm_w2w3 python3 .vl/tools/vllm_w2w3.py ;;
-        *) echo "unknown step '$step' (steps: $ALL_STEPS tp vllm_w1 vllm_w1_fp8 vllm_w1_triton vllm_w2w3)"; failed=1 ;;
+        vllm_w6)     vllm_staged vllm_w6 && run_step vllm_w6 bash -c 'serve_w6 vllm vllm_serve' ;;
+        *) echo "unknown step '$step' (steps: $ALL_STEPS w1_json w4 w6 tp vllm_w1 vllm_w1_fp8 vllm_w1_triton vllm_w2w3 vllm_w6)"
+           failed=1 ;;
     esac
 done
 

@@ -1,14 +1,19 @@
-"""A real `minivllm serve` process on 127.0.0.1 for tests, and helpers to talk to it."""
+"""A real `minivllm serve` process on 127.0.0.1 for tests, and helpers to talk to it; a fake
+server (any ASGI app) in a thread for the benchmark client's tests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -21,6 +26,25 @@ def openai_error(response: httpx.Response, status: int) -> str:
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
     return error["message"]
+
+
+@contextlib.contextmanager
+def serve_app(app: Any) -> Iterator[str]:
+    """The app under uvicorn on a free port of 127.0.0.1, in a thread; yields its base URL."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join()
 
 
 def free_port() -> int:

@@ -5,18 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from benchmarks.serving import Prompt, Regime, open_clients, random_prompts, run_regime
+from tests.server_utils import serve_app
 
 FIRST_DELAY = 0.05  # s from the request to its first token event
 GAP = 0.02  # s between token events
@@ -54,16 +51,8 @@ def fake_app() -> FastAPI:
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(fake_app(), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join()
+    with serve_app(fake_app()) as url:
+        yield url
 
 
 def run(base_url: str, prompts: list[Prompt], regime: Regime) -> dict[str, Any]:

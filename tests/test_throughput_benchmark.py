@@ -17,9 +17,9 @@ def test_repeats_report_the_median_of_uncached_runs(tiny_model_factory, tmp_path
     hits = []
     timed_generate = throughput.timed_generate
 
-    def counting(llm, requests, temperature):
+    def counting(llm, requests, temperature, schema=None):
         before = llm.llm_engine.stats()["prefix_cache_hits"]
-        metrics = timed_generate(llm, requests, temperature)
+        metrics = timed_generate(llm, requests, temperature, schema)
         hits.append(llm.llm_engine.stats()["prefix_cache_hits"] - before)
         return metrics
 
