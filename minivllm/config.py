@@ -1,7 +1,8 @@
 """EngineConfig: every engine knob, validated once, up front."""
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
@@ -50,6 +51,34 @@ def cpu_threads(reserved_cores: int = 0) -> int:
     return max(1, cores - reserved_cores)
 
 
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Engine-wide structured-output settings: vLLM's `--structured-outputs-config` (the keys
+    minivllm has)."""
+
+    backend: str = "auto"  # "auto" or "xgrammar": the one backend
+    # JSON grammars allow no free whitespace, for every request (as the per-request flag of
+    # StructuredOutputsParams).
+    disable_any_whitespace: bool = False
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "StructuredOutputsConfig":
+        """Raises ValueError naming an unknown key, a wrong type or a backend minivllm lacks."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"structured_outputs_config has no key {unknown[0]!r}; its keys are "
+                             f"{', '.join(sorted(known))}.")
+        config = cls(**values)
+        if config.backend not in ("auto", "xgrammar"):
+            raise ValueError(f"structured_outputs_config backend {config.backend!r} is not available: minivllm's "
+                             "structured outputs use xgrammar (\"auto\" or \"xgrammar\").")
+        if not isinstance(config.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs_config disable_any_whitespace must be true or false, got "
+                             f"{config.disable_any_whitespace!r}.")
+        return config
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -81,12 +110,16 @@ class EngineConfig:
     # Splits reasoning from answers (minivllm.reasoning): the server's `reasoning` field, and where
     # constrained decoding starts. A name of REASONING_PARSERS, or None.
     reasoning_parser: str | None = None
+    # A dict of StructuredOutputsConfig's keys is read into one.
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     # Derived in __post_init__.
     hf_config: PretrainedConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
     kv_cache_torch_dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs_config, dict):
+            self.structured_outputs_config = StructuredOutputsConfig.from_dict(self.structured_outputs_config)
         self.hf_config = self._load_hf_config()
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -95,9 +95,11 @@ def test_reasoning_goes_to_its_own_field(server: RemoteServer, tokenizer: PreTra
     whole = client.chat.completions.create(model="tiny", messages=QUESTION, extra_body=extra_body, **sampling)
     message = whole.choices[0].message
     assert (extra(message, "reasoning"), message.content, message.tool_calls) == (reasoning, content, None)
+    assert extra(message, "reasoning_content") == reasoning
     chunks = list(client.chat.completions.create(model="tiny", messages=QUESTION, extra_body=extra_body, stream=True,
                                                  **sampling))
     assert "".join(extra(c.choices[0].delta, "reasoning") or "" for c in chunks) == reasoning
+    assert "".join(extra(c.choices[0].delta, "reasoning_content") or "" for c in chunks) == reasoning
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == content
     assert chunks[-1].choices[0].finish_reason == "length"
 

@@ -22,6 +22,7 @@ from minivllm.engine.structured_outputs import BATCH_FILL_MIN_ROWS, StructuredOu
 from minivllm.layers.sampler import apply_token_bitmask, block_stop_tokens
 from minivllm.outputs import RequestOutput
 from tests.conftest import TinyModelFactory
+from tests.tool_models import build_tool_model
 
 MAX_MODEL_LEN = 128
 BLOCK_SIZE = 8
@@ -361,34 +362,27 @@ def test_abort_while_compiling(model_dir: str, monkeypatch: pytest.MonkeyPatch) 
     assert engine.step() == [] and not engine.structured_outputs.guided
 
 
-class _ThinksFor:
-    """A reasoning parser whose reasoning ends after a fixed number of output tokens."""
-
-    def __init__(self, num_prompt_tokens: int, num_tokens: int) -> None:
-        self.end = num_prompt_tokens + num_tokens
-        self.calls: list[int] = []
-
-    def is_reasoning_end(self, token_ids: list[int]) -> bool:
-        self.calls.append(len(token_ids))
-        return len(token_ids) >= self.end
-
-
-def test_reasoning_is_free_text_then_the_grammar_applies(model_dir: str, tokenizer: Any) -> None:
-    """With a reasoner, a sequence is not masked (nor its grammar advanced) until the reasoner
-    says its tokens end the reasoning; the tokens after follow the grammar."""
-    llm = make_llm(model_dir)
+def test_reasoning_is_free_text_then_the_grammar_applies(tmp_path: Any) -> None:
+    """With a reasoning parser (qwen3), a sequence whose prompt opens <think> is not masked (nor
+    its grammar advanced) until it writes </think>; the tokens after follow the grammar. A
+    prompt whose reasoning already ended is masked from its first token."""
+    model_dir = build_tool_model(str(tmp_path))
+    llm = make_llm(model_dir, reasoning_parser="qwen3")
+    tokenizer = llm.get_tokenizer()
+    think, end_think = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
     prompt = tokenizer.encode(PROMPTS[0])
-    reasoner = _ThinksFor(len(prompt), num_tokens=6)
-    llm.llm_engine.structured_outputs.reasoner = reasoner
-    output = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
-        max_tokens=40, temperature=0, ignore_eos=True, structured_outputs=StructuredOutputsParams(regex="xy{1,3}z")),
-        use_tqdm=False)[0].outputs[0]
-    assert output.finish_reason == "stop"
-    thinking, answer = output.token_ids[:6], output.token_ids[6:-1]  # then the stop token
-    assert re.fullmatch("xy{1,3}z", tokenizer.decode(answer))
-    assert not re.fullmatch("xy{1,3}z.*", tokenizer.decode(thinking))  # the random model's own text
-    # Asked of the prompt, then after each output token until the reasoning ended.
-    assert reasoner.calls == [len(prompt) + i for i in range(7)]
+    regex = "xy{1,3}z"
+    # The bias makes </think> the first token written: allowed while reasoning, masked after.
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logit_bias={end_think: 100},
+                            structured_outputs=StructuredOutputsParams(regex=regex))
+    reasoning, done = llm.generate([{"prompt_token_ids": prompt + [think]},
+                                    {"prompt_token_ids": prompt + [think, end_think]}], params, use_tqdm=False)
+    out = reasoning.outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[0] == end_think
+    assert re.fullmatch(regex, tokenizer.decode(out.token_ids[1:-1]))  # then the stop token
+    out = done.outputs[0]
+    assert out.finish_reason == "stop" and end_think not in out.token_ids
+    assert re.fullmatch(regex, tokenizer.decode(out.token_ids[:-1]))
 
 
 def test_a_token_the_grammar_refuses_fails_its_sequence_alone(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -401,3 +395,22 @@ def test_a_token_the_grammar_refuses_fails_its_sequence_alone(model_dir: str, mo
         SamplingParams(max_tokens=5, ignore_eos=True)], use_tqdm=False)
     assert guided.outputs[0].finish_reason == "error" and len(guided.outputs[0].token_ids) == 1
     assert len(plain.outputs[0].token_ids) == 5
+
+
+def test_engine_wide_settings(model_dir: str, llm: LLM) -> None:
+    """structured_outputs_config (vLLM's keys): disable_any_whitespace for every request gives
+    what the per-request flag gives; unknown keys and other backends are refused by name."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"]}
+    tight = make_llm(model_dir, structured_outputs_config={"disable_any_whitespace": True, "backend": "xgrammar"})
+    engine_wide = tight.generate(PROMPTS, SamplingParams(
+        max_tokens=30, temperature=0, structured_outputs=StructuredOutputsParams(json=schema)), use_tqdm=False)
+    per_request = llm.generate(PROMPTS, SamplingParams(max_tokens=30, temperature=0, structured_outputs=(
+        StructuredOutputsParams(json=schema, disable_any_whitespace=True))), use_tqdm=False)
+    assert tokens(engine_wide) != tokens(llm.generate(PROMPTS, SamplingParams(
+        max_tokens=30, temperature=0, structured_outputs=StructuredOutputsParams(json=schema)), use_tqdm=False))
+    assert tokens(engine_wide) == tokens(per_request)
+    with pytest.raises(ValueError, match="no key 'strict'"):
+        make_llm(model_dir, structured_outputs_config={"strict": True})
+    with pytest.raises(ValueError, match="'guidance' is not available"):
+        make_llm(model_dir, structured_outputs_config={"backend": "guidance"})

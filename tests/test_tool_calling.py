@@ -465,7 +465,8 @@ def test_parallel_tool_calls_false_keeps_the_first() -> None:
 
 def test_plain_chat_message_has_no_tool_calls() -> None:
     final, chunks = run_choice(None, ["Hello", " there"], "length")
-    assert final["message"] == {"role": "assistant", "content": "Hello there", "reasoning": None}
+    assert final["message"] == {"role": "assistant", "content": "Hello there", "reasoning": None,
+                                "reasoning_content": None}
     assert [chunk["delta"] for chunk in chunks] == [{"content": "Hello"}, {"content": " there"}]
 
 

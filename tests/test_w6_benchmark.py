@@ -251,7 +251,6 @@ def test_w6_fails_on_replies_outside_the_schema(fake_w6, tokenizer, tmp_path) ->
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="needs constrained decoding")
 def test_w6_against_minivllm_serve(tiny_model_factory, tmp_path) -> None:
     """The real server, W6's flags: every reply valid under its schema, ended by the server."""
     model = tiny_model_factory("Qwen3ForCausalLM")

@@ -43,18 +43,20 @@ class GrammarSpec:
     any_whitespace: bool = True  # JSON: whitespace allowed between tokens
 
     @classmethod
-    def of(cls, params: StructuredOutputsParams) -> GrammarSpec:
-        """Raises ValueError for a json dict that JSON cannot hold."""
+    def of(cls, params: StructuredOutputsParams, disable_any_whitespace: bool = False) -> GrammarSpec:
+        """disable_any_whitespace: the engine's setting (StructuredOutputsConfig), for every
+        request. Raises ValueError for a json dict that JSON cannot hold."""
         field = params.constraint
+        any_whitespace = not (params.disable_any_whitespace or disable_any_whitespace)
         if field == "json_object":
-            return cls("json", _ANY_OBJECT_SCHEMA, not params.disable_any_whitespace)
+            return cls("json", _ANY_OBJECT_SCHEMA, any_whitespace)
         if field == "json":
             schema = params.json
             try:  # property order stays as given: it is the order the output writes them in
                 source = schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False)
             except (TypeError, ValueError) as error:  # a value JSON cannot hold, a circular reference
                 raise ValueError(f"The JSON schema is not JSON: {error}") from error
-            return cls("json", source, not params.disable_any_whitespace)
+            return cls("json", source, any_whitespace)
         if field == "choice":
             assert params.choice is not None  # the constraint given
             # JSON string escapes are the EBNF grammar's own.

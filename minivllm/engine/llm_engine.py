@@ -19,6 +19,7 @@ from minivllm.engine.structured_outputs import StructuredOutputManager
 from minivllm.executor.model_runner import ModelRunner, StepHandle, TokenLogprobs
 from minivllm.executor.worker import Workers
 from minivllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
+from minivllm.reasoning import reasoning_parser_class
 from minivllm.sampling_params import SamplingParams
 
 # New container objects between two young-generation collections while an engine lives
@@ -94,8 +95,12 @@ class LLMEngine:
                                                config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         # Requests with structured outputs wait there for their grammar, then join the scheduler.
+        # A reasoning model's grammar applies once its reasoning has ended.
+        reasoner = (reasoning_parser_class(config.reasoning_parser)(self.tokenizer)
+                    if config.reasoning_parser is not None and self.tokenizer is not None else None)
         self.structured_outputs = StructuredOutputManager(self.tokenizer, config.hf_config.vocab_size,
-                                                          config.max_num_seqs, config.device.startswith("cuda"))
+                                                          config.max_num_seqs, config.device.startswith("cuda"),
+                                                          reasoner)
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}  # the requests' sequences, by id
         self.in_flight: StepHandle | None = None  # the launched step not yet read back
@@ -179,7 +184,8 @@ class LLMEngine:
         structured_outputs = request.params.structured_outputs
         if structured_outputs is not None:
             # Scheduled once its grammar has compiled (_admit_compiled).
-            self.structured_outputs.add(request.request_id, GrammarSpec.of(structured_outputs), request.seqs)
+            spec = GrammarSpec.of(structured_outputs, self.config.structured_outputs_config.disable_any_whitespace)
+            self.structured_outputs.add(request.request_id, spec, request.seqs)
         else:
             for seq in request.seqs:
                 self.scheduler.add(seq)

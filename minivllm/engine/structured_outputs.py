@@ -218,7 +218,9 @@ class StructuredOutputManager:
         if guided is None:
             return None
         if not guided.reasoning_ended:
-            guided.reasoning_ended = self.reasoner is None or self.reasoner.is_reasoning_end(seq.token_ids)
+            # The new token alone says whether it ends the reasoning (a scan of the whole output
+            # at every step would grow with it).
+            guided.reasoning_ended = self.reasoner is None or self.reasoner.is_reasoning_end([token])
             return None
         matcher = guided.matcher
         if not matcher.accept_token(token):

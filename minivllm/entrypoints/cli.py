@@ -1,8 +1,10 @@
 """`minivllm generate` (text from the command line) and `minivllm serve` (the OpenAI API)."""
 
 import argparse
+import json
 import logging
 import sys
+from typing import Any
 
 from minivllm.config import EngineConfig
 from minivllm.reasoning import REASONING_PARSERS
@@ -88,6 +90,17 @@ def _generate(args: argparse.Namespace) -> None:
                   f"finish_reason={completion.finish_reason})\n")
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """An argument given as a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error}): give a JSON object, e.g. '{{\"key\": true}}'") from error
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"give a JSON object, not {text!r}")
+    return value
+
+
 def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     """`vllm serve`'s flags for what minivllm has."""
     parser = subparsers.add_parser("serve", help="serve a model over the OpenAI API (as `vllm serve`)",
@@ -134,6 +147,9 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--reasoning-parser", default=None,
                         help=f"split the model's reasoning from its answer (the message's 'reasoning'): "
                              f"{', '.join(sorted(REASONING_PARSERS))}")
+    parser.add_argument("--structured-outputs-config", type=_json_object, default={},
+                        help='engine-wide structured-output settings as JSON, vLLM\'s keys: backend ("auto" or '
+                             '"xgrammar"), disable_any_whitespace (e.g. \'{"disable_any_whitespace": true}\')')
     parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                         help="serve GET /tokenizer_info: the tokenizer's configuration and chat template (for "
                              "lm-eval's remote tokenizer)")

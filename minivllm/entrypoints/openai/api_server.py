@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import minivllm
-from minivllm.config import EngineConfig
+from minivllm.config import EngineConfig, StructuredOutputsConfig
 from minivllm.engine.async_llm import AsyncLLM, EngineDeadError
 from minivllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -347,7 +347,9 @@ def run_server(args: argparse.Namespace) -> None:
                               tensor_parallel_size=args.tensor_parallel_size, device=args.device,
                               block_size=args.block_size,
                               kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, load_format=args.load_format,
-                              enforce_eager=args.enforce_eager, reasoning_parser=args.reasoning_parser)
+                              enforce_eager=args.enforce_eager, reasoning_parser=args.reasoning_parser,
+                              structured_outputs_config=StructuredOutputsConfig.from_dict(
+                                  args.structured_outputs_config))
         names = args.served_model_name or [args.model]
         engine = AsyncLLM(config, model_name=names[0],
                           log_stats_interval_s=None if args.disable_log_stats else 10.0)

@@ -27,7 +27,8 @@ class MessageDelta:
         """The chunk's `delta`: only what it has."""
         delta: Json = {}
         if self.reasoning:
-            delta["reasoning"] = self.reasoning
+            # Also under the name vLLM used before `reasoning` (DeepSeek's API, older clients).
+            delta["reasoning"] = delta["reasoning_content"] = self.reasoning
         if self.content:
             delta["content"] = self.content
         if self.tool_calls:
@@ -42,7 +43,8 @@ class Message:
     tool_calls: list[ToolCall]
 
     def as_json(self) -> Json:
-        message: Json = {"role": "assistant", "content": self.content, "reasoning": self.reasoning}
+        message: Json = {"role": "assistant", "content": self.content, "reasoning": self.reasoning,
+                         "reasoning_content": self.reasoning}  # vLLM's earlier name, as in MessageDelta
         if self.tool_calls:
             message["tool_calls"] = [call.as_json() for call in self.tool_calls]
         return message
