@@ -138,7 +138,7 @@ serve_w6() {  # serve_w6 LABEL COMMAND...: W6 on the server COMMAND starts (W4's
     local label="$1" model=/tmp/w6-model rc=0; shift
     [[ -d "$W6_TOKENIZER" ]] || { echo "W6_TOKENIZER=$W6_TOKENIZER: no such directory (W6 uses SmolLM2's tokenizer)"; return 1; }
     start_server "$model" "$W6_TOKENIZER" "$OUT/w6-$label-server-${MINIVLLM_COMMIT:-tree}.log" "$@" "$model" \
-        --structured-outputs-config '{"disable_any_whitespace": true}' || return 1
+        --structured-outputs-config '{"backend": "xgrammar", "disable_any_whitespace": true}' || return 1
     local client="$CLIENT --tokenizer $model --label $label --json-out $RESULTS"
     $client --max-concurrency 64 --num-prompts 640 --num-warmups 16 || rc=1
     $client --num-prompts 1000 || rc=1

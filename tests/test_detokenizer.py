@@ -244,3 +244,15 @@ def test_batched_final_texts_are_the_incremental_ones(cases: list[tuple[str, str
     expected = [stream(TOKENIZER, prompt, output, SamplingParams(skip_special_tokens=skip))[1]
                 for prompt, output in sequences]
     assert detokenize(TOKENIZER, sequences, skip) == expected
+
+
+def test_a_prompt_ending_in_undecodable_text_stays_out_of_the_output(tokenizer: PreTrainedTokenizerFast) -> None:
+    """A prompt whose end decodes to U+FFFD (lone UTF-8 bytes, or the character itself, as
+    random-token prompts have): none of it reaches the output text, streamed or not."""
+    lone_bytes = [t for t in range(len(tokenizer)) if tokenizer.decode([t]) == FFFD][:30]
+    assert len(lone_bytes) >= 8  # the test means something only with such tokens
+    output = tokenizer.encode('{"a": 1}')
+    for tail in (lone_bytes, tokenizer.encode(FFFD * 30), lone_bytes[:3], tokenizer.encode(" x" + FFFD)):
+        prompt = tokenizer.encode("Hi there") + tail
+        _, final, _, _ = stream(tokenizer, prompt, output, SamplingParams())
+        assert final == tokenizer.decode(output) == detokenize(tokenizer, [(prompt, output)], True)[0]

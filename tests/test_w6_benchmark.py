@@ -254,7 +254,8 @@ def test_w6_fails_on_replies_outside_the_schema(fake_w6, tokenizer, tmp_path) ->
 def test_w6_against_minivllm_serve(tiny_model_factory, tmp_path) -> None:
     """The real server, W6's flags: every reply valid under its schema, ended by the server."""
     model = tiny_model_factory("Qwen3ForCausalLM")
-    server = RemoteServer(model, "--structured-outputs-config", '{"disable_any_whitespace": true}')
+    server = RemoteServer(model, "--structured-outputs-config",
+                          '{"backend": "xgrammar", "disable_any_whitespace": true}')
     try:
         out = tmp_path / "w6.jsonl"
         run_w6(server.url, model, str(out), "--distinct-schemas", model="tiny")

@@ -44,14 +44,22 @@ def _backend(tokenizer: PreTrainedTokenizerBase | Tokenizer) -> Tokenizer:
 
 
 def _prompt_context(tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool) -> list[int]:
-    """The end of the prompt, starting at a point that decodes cleanly (no partial character)."""
+    """The end of the prompt, from a point that decodes cleanly (no partial character), else
+    one whose text at least does not end in U+FFFD; else nothing. A decode stream primed with
+    text ending in U+FFFD (garbage bytes, or the character itself) holds it back as an
+    incomplete character and would hand it out with the first output token."""
     if len(prompt_token_ids) <= _PROMPT_CONTEXT_MIN:
-        return prompt_token_ids
+        return prompt_token_ids if not tokenizer.decode(
+            prompt_token_ids, skip_special_tokens=skip_special_tokens).endswith(REPLACEMENT_CHAR) else []
+    fallback: list[int] = []
     for i in range(_PROMPT_CONTEXT_MIN, min(len(prompt_token_ids), _PROMPT_CONTEXT_MAX) + 1):
         suffix = prompt_token_ids[-i:]
-        if REPLACEMENT_CHAR not in tokenizer.decode(suffix, skip_special_tokens=skip_special_tokens):
+        text = tokenizer.decode(suffix, skip_special_tokens=skip_special_tokens)
+        if REPLACEMENT_CHAR not in text:
             return suffix
-    return prompt_token_ids[-_PROMPT_CONTEXT_MAX:]
+        if not fallback and not text.endswith(REPLACEMENT_CHAR):
+            fallback = suffix
+    return fallback
 
 
 def detokenize(tokenizer: PreTrainedTokenizerBase | Tokenizer, sequences: list[tuple[list[int], list[int]]],

@@ -543,7 +543,7 @@ class _ChatResponse(_Response):
     def final_choice(self, index: int, choice: _Choice) -> Json:
         text = "".join(choice.text)
         if self.parsing is None:
-            message: Json = {"role": "assistant", "content": text, "reasoning": None}
+            message: Json = {"role": "assistant", "content": text, "reasoning": None, "reasoning_content": None}
             finish_reason = choice.finish_reason
         else:
             parsed, finish_reason = self.parsing.parse(text, choice.finish_reason)
