@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from tests.hf_oracle import hf_greedy
+from tests.hf_oracle import hf_greedy, hf_prompt_logprobs
 from tests.test_generate_hf import ARCHITECTURES, mixed_prompts, run, vocab
 
 pytestmark = pytest.mark.gpu
@@ -105,6 +105,23 @@ def test_structured_outputs_under_cuda_graphs(tiny_model_factory) -> None:
     for output, (_, follows, _) in zip(outputs, cases * len(PROMPTS)):
         for completion in output.outputs:
             assert completion.finish_reason == "stop" and follows(completion.text), completion
+
+
+def test_prompt_logprobs_on_the_gpu_path(tiny_model_factory) -> None:
+    """Prompt logprobs computed in the prefill (CUDA graphs, chunked prompts, logits in slices
+    of max_num_seqs positions, host copies without a sync) match HF's (fp32, GPU rounding)."""
+    model_dir = tiny_model_factory("Qwen3ForCausalLM")
+    prompts = mixed_prompts(vocab(model_dir), seed=12)[:6]
+    llm = gpu_llm(model_dir, max_num_batched_tokens=13, max_num_seqs=4)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2), use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        scored = output.prompt_logprobs
+        assert scored is not None and len(scored) == len(prompt) and scored[0] is None
+        for position, ref, token in zip(scored[1:], hf_prompt_logprobs(model_dir, tuple(prompt)), prompt[1:]):
+            assert position is not None and token in position
+            for token_id, logprob in position.items():
+                assert abs(logprob.logprob - float(ref[token_id])) < 1e-3
 
 
 @pytest.fixture

@@ -157,6 +157,13 @@ def test_bitmask_on_logits_matches_xgrammar() -> None:
     got = logits.clone()
     apply_token_bitmask(got, bitmask[rows], torch.tensor(rows).numpy())
     assert torch.equal(got, want)
+    # Logits wider than the bitmask (a padded vocabulary): the tokens past it are never allowed.
+    wide = torch.randn(num_rows, 160, generator=generator)
+    got = wide.clone()
+    apply_token_bitmask(got, bitmask, None)
+    want = wide[:, :128].clone()
+    xgr.apply_token_bitmask_inplace(want, bitmask)
+    assert torch.equal(got[:, :128], want) and torch.isneginf(got[:, 128:]).all()
 
 
 def test_min_tokens_does_not_block_a_row_with_nothing_else_left() -> None:

@@ -69,10 +69,13 @@ class _Compiling:
 class StructuredOutputManager:
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, max_num_seqs: int,
                  pin_memory: bool, reasoner: ReasoningEnd | None = None) -> None:
-        """vocab_size: the model's logits width (the bitmask's); pin_memory: the bitmask is
-        copied to a CUDA device. Nothing of xgrammar is loaded before the first grammar."""
+        """vocab_size: the model's logits width; pin_memory: the bitmask is copied to a CUDA
+        device. Nothing of xgrammar is loaded before the first grammar."""
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
+        # The bitmask covers the tokenizer's ids only: logits past them (a vocabulary padded for
+        # the GPU's sake, up to 3x the tokenizer's where a model pairs with a smaller tokenizer)
+        # are never allowed (apply_token_bitmask), and xgrammar's fill costs grow with the width.
+        self.vocab_size = min(vocab_size, len(tokenizer)) if tokenizer is not None else vocab_size
         self.max_num_seqs = max_num_seqs
         self.pin_memory = pin_memory
         self.reasoner = reasoner
@@ -156,7 +159,7 @@ class StructuredOutputManager:
         for seq in seqs:
             # The engine's stop tokens end the grammar (xgrammar's guess from the tokenizer when
             # there are none: ignore_eos without stop_token_ids).
-            stop_token_ids = sorted(seq.params.all_stop_token_ids) or None
+            stop_token_ids = sorted(t for t in seq.params.all_stop_token_ids if t < self.vocab_size) or None
             ended = self.reasoner is None or self.reasoner.is_reasoning_end(seq.prompt_token_ids)
             self.guided[seq.seq_id] = _Guided(xgr.GrammarMatcher(grammar, override_stop_tokens=stop_token_ids), ended)
 

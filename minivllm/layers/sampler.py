@@ -399,17 +399,20 @@ def block_stop_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: np.ndarray | None) -> None:
-    """Set to -inf, in place, every token of logits[rows[i]] that bitmask[i] does not allow
-    (rows None: row i is logits' row i). Both on the host, copied to logits' device without
-    waiting where the bitmask is pinned. xgrammar's layout: bit t % 32 of int32 word t // 32
-    is token t, 1 = allowed; unpacked a byte at a time (little-endian words: byte k holds
-    tokens 8k .. 8k + 7) into one bool per token."""
+    """Set to -inf, in place, every token of logits[rows[i]] that bitmask[i] does not allow, and
+    every token past the bitmask's width (rows None: row i is logits' row i). Both on the host,
+    copied to logits' device without waiting where the bitmask is pinned. xgrammar's layout:
+    bit t % 32 of int32 word t // 32 is token t, 1 = allowed; unpacked a byte at a time
+    (little-endian words: byte k holds tokens 8k .. 8k + 7) into one bool per token."""
     device = logits.device
     num_rows, vocab_size = bitmask.shape[0], logits.shape[1]
     words = bitmask.to(device, non_blocking=True)
     bit_shifts = torch.arange(8, dtype=torch.uint8, device=device)  # made there: a copy would wait for the device
     allowed = words.view(torch.uint8).unsqueeze(-1).bitwise_right_shift(bit_shifts).bitwise_and_(1)
-    blocked = allowed.view(num_rows, -1)[:, :vocab_size] == 0
+    width = min(vocab_size, bitmask.shape[1] * 32)
+    blocked = allowed.view(num_rows, -1)[:, :width] == 0
+    if width < vocab_size:  # tokens past the bitmask (past the tokenizer's ids): never allowed
+        blocked = torch.cat((blocked, blocked.new_ones(num_rows, vocab_size - width)), dim=1)
     if rows is None:
         logits.masked_fill_(blocked, _NEG_INF)
     else:
