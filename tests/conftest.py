@@ -17,6 +17,10 @@ import torch
 # anything (transformers, via torch._dynamo) imports triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tests never reach a model hub (local files only): without these, a lookup that slips in would
+# wait on the network instead of failing at once. Read when huggingface_hub and datasets load.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 # Where the kernel tests put their tensors: the CPU under the interpreter (small shapes,
 # fp32/fp16: it mishandles bf16), else the GPU.

@@ -2,7 +2,9 @@
 (Llama architecture, tied embeddings, a real tokenizer and chat template). Greedy output is
 token for token that of transformers loading the same file, offline, batched and from the
 prefix cache; `LLM.chat`, `minivllm generate` and `minivllm serve` answer a factual question, the
-first also as JSON of a schema, and the server runs a tool call -> tool result -> answer loop."""
+first also as JSON of a schema, and the server runs a tool call -> tool result -> answer loop. The
+openai client's `parse()` and `stream()` read the server's structured replies and forced tool calls
+into pydantic models."""
 
 from __future__ import annotations
 
@@ -10,10 +12,13 @@ import json
 import os
 import signal
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
+import jsonschema
+import openai
 import pytest
 import torch
+from pydantic import BaseModel, Field
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 import minivllm
@@ -157,3 +162,75 @@ def test_tool_call_loop(server: RemoteServer, stream: bool) -> None:
     answer = server.client().chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL],
                                                      max_tokens=32, temperature=0)
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+class Capital(BaseModel):
+    country: str
+    capital: str
+    continent: Literal["Africa", "America", "Asia", "Europe", "Oceania"]
+
+
+def test_openai_parse_reads_the_reply_into_a_pydantic_model(server: RemoteServer) -> None:
+    """The client turns the model into a strict JSON schema (response_format json_schema) and
+    parses the reply back; stream() parses the same reply from its deltas."""
+    client = server.client()
+    request: dict[str, Any] = {
+        "model": "tiny", "messages": [{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+        "response_format": Capital, "max_tokens": 48, "temperature": 0}
+    reply = client.chat.completions.parse(**request).choices[0]
+    assert reply.finish_reason == "stop" and isinstance(reply.message.parsed, Capital)
+    assert reply.message.parsed.capital == "Paris"
+    with client.chat.completions.stream(**request) as stream:
+        deltas = [event.delta for event in stream if event.type == "content.delta"]
+        streamed = stream.get_final_completion().choices[0]
+    assert len(deltas) > 1 and "".join(deltas) == streamed.message.content == reply.message.content
+    assert streamed.message.parsed == reply.message.parsed
+
+
+class GetWeather(BaseModel):
+    city: str
+    unit: Literal["celsius", "fahrenheit"]
+
+
+class BookTable(BaseModel):
+    restaurant: str
+    people: int = Field(ge=1, le=12)
+    time: str = Field(pattern=r"^[0-2][0-9]:[0-5][0-9]$")
+
+
+class ConvertCurrency(BaseModel):
+    amount: float = Field(ge=0)
+    source: Literal["EUR", "USD", "GBP"]
+    target: Literal["EUR", "USD", "GBP"]
+
+
+# Strict tools (additionalProperties false, every field required), as parse() wants them.
+TOOL_MODELS: dict[str, type[BaseModel]] = {"get_weather": GetWeather, "book_table": BookTable,
+                                            "convert_currency": ConvertCurrency}
+TOOLS = [openai.pydantic_function_tool(model, name=name) for name, model in TOOL_MODELS.items()]
+
+
+@pytest.mark.parametrize(("tool_choice", "question"), [
+    ("required", "What is the weather in Paris? Answer with a JSON array of tool calls."),
+    ({"type": "function", "function": {"name": "convert_currency"}}, "How much is 100 euros in dollars?"),
+], ids=["required", "named"])
+def test_forced_tool_calls_are_valid_under_their_schemas(server: RemoteServer, tool_choice: Any,
+                                                         question: str) -> None:
+    """Sampled calls among several tools, two choices: every call's arguments are JSON of its tool's
+    parameters schema, and parse() reads them into the tool's model. (With "required" SmolLM2 may
+    repeat calls until max_tokens: the schema bounds no array, as in vLLM. This seed's replies end.)"""
+    completion = server.client().chat.completions.parse(
+        model="tiny", messages=[{"role": "user", "content": question}], tools=TOOLS, tool_choice=tool_choice,
+        n=2, max_tokens=120, temperature=0.8, seed=0)
+    assert len(completion.choices) == 2
+    for choice in completion.choices:
+        # A named function's call ends the reply with "stop" (as in OpenAI's API and vLLM).
+        assert choice.finish_reason == ("tool_calls" if tool_choice == "required" else "stop")
+        assert choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            if tool_choice != "required":
+                assert call.function.name == "convert_currency"
+            parameters = next(tool["function"]["parameters"] for tool in TOOLS
+                              if tool["function"]["name"] == call.function.name)
+            jsonschema.validate(json.loads(call.function.arguments), parameters)
+            assert isinstance(call.function.parsed_arguments, TOOL_MODELS[call.function.name])
