@@ -408,7 +408,8 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server: RemoteServer,
     # A refused list of prompts queued none of them (nothing was aborted).
     assert server.metrics().get("vllm:request_success_total", 0) == aborts_before + len(cases)
     # Sampling errors name their field, tool calling errors tool_choice.
-    for field, value in (("top_p", 0), ("prompt_logprobs", -1), ("bad_words", [" "]), ("max_tokens", 0)):
+    for field, value in (("top_p", 0), ("prompt_logprobs", -1), ("bad_words", [" "]), ("max_tokens", 0),
+                         ("best_of", 3)):
         assert httpx.post(url, json={**good, field: value}).json()["error"]["param"] == field
     tools = [{"type": "function", "function": {"name": "f"}}]
     response = httpx.post(chat_url, json={**chat, "tools": tools})

@@ -192,6 +192,18 @@ def test_every_output_follows_its_constraint(llm: LLM, temperature: float) -> No
         assert any(len(set(texts([o]))) > 1 for o in outputs)
 
 
+def test_an_fp8_kv_cache(model_dir: str) -> None:
+    """The FP8 KV cache changes the logits, not the masking: every output still follows its
+    constraint."""
+    llm = make_llm(model_dir, kv_cache_dtype="fp8")
+    params = [SamplingParams(max_tokens=100, temperature=1.0, seed=3, structured_outputs=so)
+              for so, _ in CASES.values()]
+    outputs = llm.generate([PROMPTS[1]] * len(params), params, use_tqdm=False)
+    for output, (_, follows) in zip(outputs, CASES.values()):
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop" and follows(completion.text), completion
+
+
 def test_json_object(llm: LLM) -> None:
     """json_object: what ends by itself is a JSON object (a random model may also write one
     past max_tokens)."""

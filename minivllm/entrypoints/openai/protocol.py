@@ -122,9 +122,14 @@ class _SamplingRequest(_Request):
     def _consistent(self) -> "_SamplingRequest":
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be given with stream=true")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported (other than best_of = n): remove it")
         return self
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        if best_of is not None and best_of != info.data.get("n", 1):
+            raise ValueError("is not supported (other than best_of = n): remove it")
+        return best_of
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
                         defaults: dict[str, Any]) -> SamplingParams:
