@@ -18,7 +18,6 @@ from minivllm.entrypoints.openai.protocol import ChatCompletionRequest
 from minivllm.entrypoints.openai.serving import _ChatResponse, _Choice, message_parsing
 from minivllm.outputs import CompletionOutput
 from minivllm.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser, ReasoningParser, reasoning_parser_class
-from minivllm.sampling_params import SamplingParams
 from minivllm.tool_parsers import TOOL_PARSERS, tool_parser_class
 from minivllm.tool_parsers.base import ToolCall, ToolParser
 from minivllm.tool_parsers.forced import NamedFunctionCall, RequiredFunctionCalls, required_calls_schema
@@ -374,24 +373,24 @@ def test_tool_messages_render_as_vllm_passes_them() -> None:
 
 
 def test_forced_tool_choices_set_the_schema_in_sampling_params() -> None:
-    """Named: the function's parameters; required: an array of calls; auto and none: no constraint.
-    The hermes parser keeps special tokens in the text (its tags are special in some vocabularies)."""
+    """Named: the function's parameters; required: an array of calls; auto and none: no constraint
+    (and no parsing for none). Special tokens stay in the text where the server asks it (a
+    parser such as hermes reads its tags there, special in some vocabularies)."""
     tools = [WEATHER_TOOL, TIME_TOOL]
     named = {"type": "function", "function": {"name": "get_weather"}}
     cases = [(named, WEATHER_TOOL["function"]["parameters"]),
              ("required", required_calls_schema([("get_weather", WEATHER_TOOL["function"]["parameters"]),
                                                  ("get_time", TIME_TOOL["function"]["parameters"])])),
              ("auto", None), ("none", None)]
+    assert HermesToolParser.needs_special_tokens and not Llama3JsonToolParser.needs_special_tokens
     for choice, schema in cases:
-        params = SamplingParams()
-        parsing = message_parsing(chat_request(tools=tools, tool_choice=choice), [], params, HermesToolParser, None)
+        request = chat_request(tools=tools, tool_choice=choice)
+        params = request.sampling_params(None, None, None, {}, keep_special_tokens=request.may_call_tools)
         assert (params.structured_outputs.json if params.structured_outputs else None) == schema, choice
         assert params.skip_special_tokens == (choice == "none"), choice
-        assert (parsing is None) == (choice == "none")
-    params = SamplingParams()
-    assert message_parsing(chat_request(tools=tools, tool_choice="required"), [], params, Llama3JsonToolParser,
+        assert (message_parsing(request, [], HermesToolParser, None) is None) == (choice == "none")
+    assert message_parsing(chat_request(tools=tools, tool_choice="required"), [], Llama3JsonToolParser,
                            None) is not None
-    assert params.skip_special_tokens and params.structured_outputs is not None
 
 
 # --- responses and stream chunks -----------------------------------------------------------------

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from transformers import PreTrainedTokenizerBase
 
 from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
+from minivllm.tool_parsers.forced import named_function_schema, required_calls_schema
 
 logger = logging.getLogger(__name__)
 
@@ -132,10 +133,11 @@ class _SamplingRequest(_Request):
         return best_of
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
-                        defaults: dict[str, Any]) -> SamplingParams:
+                        defaults: dict[str, Any], keep_special_tokens: bool = False) -> SamplingParams:
         """SamplingParams for this request; fields it leaves out take `defaults` (the model's
         generation config), then SamplingParams' own. Raises ValueError on bad values
-        (OpenAIError for the output's format)."""
+        (OpenAIError for the output's format). keep_special_tokens: the text must show them
+        whatever the request says (a tool parser reads its markers there)."""
         given = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p",
                                                         "repetition_penalty")
                  if getattr(self, name) is not None}
@@ -143,7 +145,8 @@ class _SamplingRequest(_Request):
                               min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                               ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, logprobs=logprobs,
-                              prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+                              prompt_logprobs=prompt_logprobs,
+                              skip_special_tokens=self.skip_special_tokens and not keep_special_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               # SamplingParams turns the string keys into ints (as vLLM does) and
                               # refuses any that are not integers.
@@ -364,6 +367,32 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=false")
         return self
+
+    @property
+    def may_call_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """As the base's; but a tool choice that forces calls constrains the output to their JSON
+        schema instead, as vLLM does: the named function's parameters, or for "required" an
+        array of calls."""
+        tools, choice = self.tools or [], self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            function = next(tool.function for tool in tools if tool.function.name == choice.function.name)
+            return StructuredOutputsParams(json=named_function_schema(function.parameters))
+        if choice == "required":
+            try:
+                schema = required_calls_schema([(tool.function.name, tool.function.parameters) for tool in tools])
+            except ValueError as error:
+                raise OpenAIError(f"Invalid request: tools: {error}", param="tools") from error
+            return StructuredOutputsParams(json=schema)
+        return super().structured_outputs_params()
+
+    @property
+    def structured_outputs_field(self) -> str:
+        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
+            return "tools"
+        return super().structured_outputs_field
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -38,13 +38,11 @@ from minivllm.entrypoints.openai.protocol import (
 )
 from minivllm.outputs import CompletionOutput, Logprob, PromptLogprobs
 from minivllm.reasoning import ReasoningParser, reasoning_parser_class
-from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
+from minivllm.sampling_params import SamplingParams
 from minivllm.tool_parsers.base import ToolParser
 from minivllm.tool_parsers.forced import (
     NamedFunctionCall,
     RequiredFunctionCalls,
-    named_function_schema,
-    required_calls_schema,
 )
 
 # The sampling fields a model's generation_config.json may set as defaults (vLLM applies them).
@@ -195,12 +193,13 @@ class OpenAIServing:
                               f"({max_tokens} > {limit} - {num_prompt_tokens}).", param="max_tokens")
 
     def _sampling_params(self, request: _SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None) -> SamplingParams:
+                         prompt_logprobs: int | None, keep_special_tokens: bool = False) -> SamplingParams:
         if request.stream and request.prompt_logprobs:
             raise OpenAIError("prompt_logprobs are not available with stream=true (as with vLLM): send the "
                               "request without streaming.", param="prompt_logprobs")
         try:
-            params = request.sampling_params(max_tokens, logprobs, prompt_logprobs, self.sampling_defaults)
+            params = request.sampling_params(max_tokens, logprobs, prompt_logprobs, self.sampling_defaults,
+                                             keep_special_tokens)
             if params.structured_outputs is not None:
                 try:  # xgrammar's parse of the schema, regex or grammar (check_params finds it cached)
                     check_structured_outputs(params.structured_outputs)
@@ -278,10 +277,14 @@ class OpenAIServing:
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
             else request.max_tokens
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self._sampling_params(request, max_tokens, num_logprobs, request.prompt_logprobs)
+        # A tool parser that reads special tokens (its markers) needs them in the text (as vLLM).
+        keep_special_tokens = (request.may_call_tools and self.tool_parser is not None
+                               and self.tool_parser.needs_special_tokens)
+        params = self._sampling_params(request, max_tokens, num_logprobs, request.prompt_logprobs,
+                                       keep_special_tokens)
         reasoning = self.reasoning_parser(self.tokenizer, request.chat_template_kwargs) \
             if self.reasoning_parser is not None and self.tokenizer is not None else None
-        parsing = message_parsing(request, token_ids, params, self.tool_parser, reasoning)
+        parsing = message_parsing(request, token_ids, self.tool_parser, reasoning)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._start([(None, token_ids)], params, request_id)
         response = _ChatResponse(request_id, request.model or self.served_model_names[0], num_logprobs, params.n,
@@ -302,30 +305,21 @@ class OpenAIServing:
         raise OpenAIError(f"{message} (on the server).", param="tool_choice")
 
 
-def message_parsing(request: ChatCompletionRequest, prompt_token_ids: list[int], params: SamplingParams,
-                    tool_parser: type[ToolParser] | None, reasoning: ReasoningParser | None) -> MessageParsing | None:
+def message_parsing(request: ChatCompletionRequest, prompt_token_ids: list[int], tool_parser: type[ToolParser] | None,
+                    reasoning: ReasoningParser | None) -> MessageParsing | None:
     """How a chat request's replies become messages (None: their text is the content), with the
     server's tool parser (None: no tool calls; the request was checked for that) and the request's
-    reasoning parser. Tool choices that force calls constrain the output to a JSON schema
-    (params.structured_outputs), as vLLM does."""
-    tools, choice = request.tools, request.tool_choice
-    if not tools or choice == "none":
+    reasoning parser. A tool choice that forces calls reads the output as their JSON (the request
+    constrained it to their schema: ChatCompletionRequest.structured_outputs_params)."""
+    if not request.may_call_tools:
         return MessageParsing(prompt_token_ids, reasoning, request.include_reasoning) if reasoning else None
     assert tool_parser is not None, "tools are called only where the server can (_check_tool_choice)"
+    choice = request.tool_choice
     parser: Callable[[], ToolParser] = tool_parser
     if isinstance(choice, NamedToolChoice):
-        function = next(tool.function for tool in tools if tool.function.name == choice.function.name)
-        parser = partial(NamedFunctionCall, function.name)
-        params.structured_outputs = StructuredOutputsParams(json=named_function_schema(function.parameters))
+        parser = partial(NamedFunctionCall, choice.function.name)
     elif choice == "required":
         parser = RequiredFunctionCalls
-        try:
-            schema = required_calls_schema([(tool.function.name, tool.function.parameters) for tool in tools])
-        except ValueError as error:
-            raise OpenAIError(f"Invalid request: tools: {error}", param="tools") from error
-        params.structured_outputs = StructuredOutputsParams(json=schema)
-    if tool_parser.needs_special_tokens:  # its markers must stay in the text (as vLLM)
-        params.skip_special_tokens = False
     return MessageParsing(prompt_token_ids, reasoning, request.include_reasoning, parser,
                           named=isinstance(choice, NamedToolChoice),
                           parallel_tool_calls=bool(request.parallel_tool_calls))
