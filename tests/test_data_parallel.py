@@ -19,7 +19,7 @@ import pytest
 
 from minivllm import LLM, SamplingParams
 from minivllm.engine.data_parallel import replica_cuda_devices
-from tests.server_utils import RemoteServer, descendants
+from tests.server_utils import RemoteServer, alive, descendants
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "A language model reads a prompt",
            "The dog sleeps in the sun, and", "Seven", "In the beginning"]
@@ -161,3 +161,25 @@ def test_replicas_take_consecutive_gpus(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(ValueError, match="at least 1"):
         replica_cuda_devices(config, 0)  # type: ignore[arg-type]
     assert replica_cuda_devices(SimpleNamespace(device="cpu"), 2) == [None, None]  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_offline_replicas_return_one_engines_outputs_in_order(model_dir: str) -> None:
+    prompts: list = [*PROMPTS, [5, 6, 7, 8], {"prompt": "Hello there"}]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    one = LLM(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    expected = one.generate(prompts, greedy, use_tqdm=False)
+    one.shutdown()
+    llm = LLM(model_dir, data_parallel_size=2, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    try:
+        replica_pid = llm._replicas[0].process.pid
+        outputs = llm.generate(prompts, greedy, use_tqdm=False)
+        assert [(o.prompt, o.prompt_token_ids, o.outputs[0].token_ids, o.outputs[0].text) for o in outputs] == \
+            [(o.prompt, o.prompt_token_ids, o.outputs[0].token_ids, o.outputs[0].text) for o in expected]
+        with pytest.raises(ValueError, match=r"^Prompt 7: "):  # the index in the whole list; nothing runs
+            llm.generate([*prompts[:7], [10**9]], greedy, use_tqdm=False)
+        assert llm.generate(prompts[:1], greedy, use_tqdm=False)[0].outputs[0].text == expected[0].outputs[0].text
+        assert llm.reset_prefix_cache()
+    finally:
+        llm.shutdown()
+    assert not alive(replica_pid)

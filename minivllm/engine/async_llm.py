@@ -406,7 +406,7 @@ def _engine_core(config: EngineConfig, commands: Connection, results: Connection
     try:
         engine = LLMEngine(config)
     except BaseException as error:  # noqa: BLE001 (the front raises it)
-        results.send(("dead", _picklable(error)))
+        results.send(("dead", picklable(error)))
         return
     sent_stats = engine.stats()
     results.send(("ready", sent_stats))
@@ -431,7 +431,7 @@ def _engine_core(config: EngineConfig, commands: Connection, results: Connection
     except BaseException as error:  # reported to the front (then /health says 503)
         logger.exception("The engine stopped on an error")
         try:
-            results.send(("dead", _picklable(error)))
+            results.send(("dead", picklable(error)))
         except OSError:
             pass  # the front is gone too
     finally:
@@ -464,7 +464,7 @@ def _apply_commands(engine: LLMEngine, commands: Connection) -> bool:
     return True
 
 
-def _picklable(error: BaseException) -> BaseException:
+def picklable(error: BaseException) -> BaseException:
     """The error itself when it survives the pipe (a ValueError about the config, say)."""
     try:
         pickle.dumps(error)
