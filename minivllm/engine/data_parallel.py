@@ -4,8 +4,10 @@
 Each replica is an AsyncLLM with an engine-core process of its own: the whole model (sharded
 over tensor_parallel_size GPUs of its own on CUDA, a share of the cores on CPU) and its own KV
 cache. A request (all prompts of it) goes to the live replica with the fewest unfinished
-requests. A replica whose core dies ends its own requests with EngineDeadError; the others
-go on serving, and the server answers /health with 200 while one lives.
+requests (ties to the lowest rank: one-at-a-time traffic stays on one replica, whose prefix
+cache then holds its conversations). A replica whose core dies ends its own requests with
+EngineDeadError; the others go on serving, and the server answers /health with 200 while one
+lives. Not here: prefix-aware routing, replicas on other hosts.
 """
 
 import os
