@@ -38,17 +38,18 @@ def default_max_num_batched_tokens(device: torch.device) -> int:
     return 8192
 
 
-def cpu_threads(reserved_cores: int = 0) -> int:
+def cpu_threads(reserved_cores: int = 0, num_engines: int = 1) -> int:
     """Intra-op threads for an engine: the cores this process may use (its affinity mask, as
     torch's default), less `reserved_cores` left to other busy processes of the same
-    deployment (a serving front's event loop), at least 1. A thread more than the free cores
+    deployment (a serving front's event loop), shared by `num_engines` engines (data-parallel
+    replicas), at least 1. A thread more than the free cores
     costs far more than it brings: every parallel op waits for the thread the OS set aside.
     An explicit count wins: OMP_NUM_THREADS, or torch.set_num_threads to other than torch's
     default."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() != cores:
         return torch.get_num_threads()
-    return max(1, cores - reserved_cores)
+    return max(1, (cores - reserved_cores) // num_engines)
 
 
 @dataclass(frozen=True)

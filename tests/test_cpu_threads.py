@@ -24,6 +24,8 @@ def test_torch_default_leaves_the_reserved_cores(four_cores: None) -> None:
     assert cpu_threads() == 4
     assert cpu_threads(reserved_cores=1) == 3
     assert cpu_threads(reserved_cores=4) == 1
+    assert cpu_threads(reserved_cores=1, num_engines=2) == 1  # data-parallel replicas share them
+    assert cpu_threads(num_engines=2) == 2
 
 
 def test_an_explicit_count_wins(four_cores: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -32,3 +34,4 @@ def test_an_explicit_count_wins(four_cores: None, monkeypatch: pytest.MonkeyPatc
     torch.set_num_threads(4)
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     assert cpu_threads(reserved_cores=1) == 4
+    assert cpu_threads(reserved_cores=1, num_engines=2) == 4  # per engine

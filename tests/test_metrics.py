@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from minivllm.engine.async_llm import WireOutput, to_wire
-from minivllm.engine.metrics import ServingMetrics
+from minivllm.engine.metrics import ServingMetrics, merged_registry
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
@@ -33,19 +33,19 @@ def test_outputs_feed_the_histograms_and_counters() -> None:
         (line,) = [line for line in text.splitlines() if line.startswith(line_start)]
         return float(line.rsplit(" ", 1)[1])
 
-    assert sample('vllm:time_to_first_token_seconds_sum{model_name="tiny"}') == pytest.approx(1.0)
-    assert sample('vllm:inter_token_latency_seconds_count{model_name="tiny"}') == 2
-    assert sample('vllm:inter_token_latency_seconds_sum{model_name="tiny"}') == pytest.approx(1.0)
-    assert sample('vllm:e2e_request_latency_seconds_sum{model_name="tiny"}') == pytest.approx(2.0)
-    assert sample('vllm:request_queue_time_seconds_sum{model_name="tiny"}') == pytest.approx(0.5)
-    assert sample('vllm:request_success_total{finished_reason="length",model_name="tiny"}') == 1
-    assert sample('vllm:request_success_total{finished_reason="abort",model_name="tiny"}') == 1
-    assert sample('vllm:generation_tokens_total{model_name="tiny"}') == 4
-    assert sample('vllm:prompt_tokens_total{model_name="tiny"}') == 3
-    assert sample('vllm:kv_cache_usage_perc{model_name="tiny"}') == pytest.approx(0.25)
-    assert sample('vllm:num_requests_running{model_name="tiny"}') == 3
-    assert sample('vllm:prefix_cache_hits_total{model_name="tiny"}') == 4
-    assert sample('vllm:num_preemptions_total{model_name="tiny"}') == 2
+    assert sample('vllm:time_to_first_token_seconds_sum{engine="0",model_name="tiny"}') == pytest.approx(1.0)
+    assert sample('vllm:inter_token_latency_seconds_count{engine="0",model_name="tiny"}') == 2
+    assert sample('vllm:inter_token_latency_seconds_sum{engine="0",model_name="tiny"}') == pytest.approx(1.0)
+    assert sample('vllm:e2e_request_latency_seconds_sum{engine="0",model_name="tiny"}') == pytest.approx(2.0)
+    assert sample('vllm:request_queue_time_seconds_sum{engine="0",model_name="tiny"}') == pytest.approx(0.5)
+    assert sample('vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"}') == 1
+    assert sample('vllm:request_success_total{engine="0",finished_reason="abort",model_name="tiny"}') == 1
+    assert sample('vllm:generation_tokens_total{engine="0",model_name="tiny"}') == 4
+    assert sample('vllm:prompt_tokens_total{engine="0",model_name="tiny"}') == 3
+    assert sample('vllm:kv_cache_usage_perc{engine="0",model_name="tiny"}') == pytest.approx(0.25)
+    assert sample('vllm:num_requests_running{engine="0",model_name="tiny"}') == 3
+    assert sample('vllm:prefix_cache_hits_total{engine="0",model_name="tiny"}') == 4
+    assert sample('vllm:num_preemptions_total{engine="0",model_name="tiny"}') == 2
 
 
 @pytest.mark.parametrize("device, cache_name", [("cuda", "GPU"), ("cpu", "CPU")])
@@ -63,9 +63,24 @@ def test_periodic_stats_line(caplog: pytest.LogCaptureFixture, device: str, cach
     metrics.log_stats()
     (record,) = caplog.records
     message = record.getMessage()
+    assert message.startswith("Engine 000: ")  # vLLM's prefix: the engine's data-parallel rank
     for fragment in ("Avg prompt throughput:", "Avg generation throughput:", "Running: 2 reqs", "Waiting: 1 reqs",
                      f"{cache_name} KV cache usage: 10.0%", "Prefix cache hit rate: 25.0%"):
         assert fragment in message, (fragment, message)
+
+
+def test_a_merged_registry_shows_each_metric_once_with_every_engine() -> None:
+    stats = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0, "num_free_blocks": 90,
+             "num_blocks": 100, "num_running": 0, "num_waiting": 0}
+    engines = [ServingMetrics("tiny", lambda: stats, engine_index=i) for i in range(2)]
+    engines[1].on_request_added("a", 0.0, 3)
+    engines[1].on_outputs([_output("a", 2, "length", RequestMetrics(arrival_time=0.0))], now=1.0)
+    text = generate_latest(merged_registry([engine.registry for engine in engines])).decode()
+    assert text.count("# TYPE vllm:generation_tokens") == 1
+    assert 'vllm:generation_tokens_total{engine="0",model_name="tiny"} 0.0' in text
+    assert 'vllm:generation_tokens_total{engine="1",model_name="tiny"} 2.0' in text
+    assert text.count("# TYPE vllm:e2e_request_latency_seconds histogram") == 1
+    assert 'vllm:e2e_request_latency_seconds_count{engine="1",model_name="tiny"} 1.0' in text
 
 
 def test_histograms_expose_what_prometheus_client_exposes() -> None:
@@ -76,9 +91,9 @@ def test_histograms_expose_what_prometheus_client_exposes() -> None:
 
     values = [0.0, 0.01, 0.0100001, 0.3, 5.0, 79.0, 81.0, 1e-9]
     theirs_registry, ours_registry = CollectorRegistry(), CollectorRegistry()
-    theirs = Histogram("vllm:x_seconds", "Doc.", ["model_name"], buckets=_ITL_BUCKETS,
-                       registry=theirs_registry).labels("tiny")
-    ours = _Histogram("vllm:x_seconds", "Doc.", _ITL_BUCKETS, "tiny", ours_registry)
+    theirs = Histogram("vllm:x_seconds", "Doc.", ["model_name", "engine"], buckets=_ITL_BUCKETS,
+                       registry=theirs_registry).labels("tiny", "0")
+    ours = _Histogram("vllm:x_seconds", "Doc.", _ITL_BUCKETS, ["tiny", "0"], ours_registry)
     for value in values:
         theirs.observe(value)
     ours.observe_many(values[:3])

@@ -18,6 +18,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import pickle
 import queue
 import select
@@ -146,14 +147,18 @@ class RequestStream:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, model_name: str | None = None,
-                 log_stats_interval_s: float | None = 10.0) -> None:
+                 log_stats_interval_s: float | None = 10.0, data_parallel_rank: int = 0,
+                 data_parallel_size: int = 1, cuda_visible_devices: str | None = None) -> None:
         """Start the engine core process; returns once it is ready, or raises what stopped
         it. model_name labels the metrics (default: the model path); log_stats_interval_s:
-        seconds between the periodic stats log lines (None: no log)."""
+        seconds between the periodic stats log lines (None: no log). As one of
+        data_parallel_size replicas (engine/data_parallel.py): data_parallel_rank labels its
+        metrics, its core takes its share of the CPU cores, and cuda_visible_devices its GPUs."""
         self.config = config
         self.tokenizer: PreTrainedTokenizerBase | None = load_tokenizer(config)
         self.input_processor = InputProcessor(config, self.tokenizer)
-        self.metrics = ServingMetrics(model_name or config.model, self.engine_stats, config.device)
+        self.metrics = ServingMetrics(model_name or config.model, self.engine_stats, config.device,
+                                      engine_index=data_parallel_rank)
         self.dead_error: BaseException | None = None
         self._log_stats_interval_s = log_stats_interval_s
         self._streams: dict[str, RequestStream] = {}
@@ -168,9 +173,11 @@ class AsyncLLM:
         self._results, core_results = ctx.Pipe(duplex=False)
         # Not a daemon: the core starts tensor-parallel workers of its own. Its intra-op threads
         # leave a core to this process, which tokenizes, detokenizes and streams meanwhile.
-        self.engine_process = ctx.Process(target=_engine_core, name="minivllm-engine",
-                                          args=(config, core_commands, core_results, cpu_threads(reserved_cores=1),
-                                                logging.getLogger().getEffectiveLevel()))
+        name = "minivllm-engine" if data_parallel_size == 1 else f"minivllm-engine-{data_parallel_rank}"
+        self.engine_process = ctx.Process(target=_engine_core, name=name,
+                                          args=(config, core_commands, core_results,
+                                                cpu_threads(reserved_cores=1, num_engines=data_parallel_size),
+                                                logging.getLogger().getEffectiveLevel(), cuda_visible_devices))
         self.engine_process.start()
         core_commands.close()
         core_results.close()
@@ -195,6 +202,11 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return self.dead_error is None and self.engine_process.is_alive()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests queued or running, as this front sees them."""
+        return len(self._streams)
 
     @property
     def vocab_size(self) -> int:
@@ -234,7 +246,7 @@ class AsyncLLM:
             raise EngineDeadError("The engine has stopped; restart the server.") from self.dead_error
         arrival_time = arrival_time or time.time()
         params = params or SamplingParams()
-        checked = [self.input_processor.process(await self._with_token_ids(prompt), params) for prompt in prompts]
+        checked = [self.input_processor.process(await self.with_token_ids(prompt), params) for prompt in prompts]
         # The commands thread sends the token ids after this returns, when the caller may
         # already have changed a list it passed: send copies.
         checked = [(prompt_text, list(prompt_token_ids)) for prompt_text, prompt_token_ids in checked]
@@ -258,7 +270,7 @@ class AsyncLLM:
         self._request_counter += 1
         return str(self._request_counter)
 
-    async def _with_token_ids(self, prompt: PromptType) -> PromptType:
+    async def with_token_ids(self, prompt: PromptType) -> PromptType:
         """A text prompt with its token ids, tokenized off the event loop (see encode)."""
         text = prompt.get("prompt") if isinstance(prompt, dict) and set(prompt) == {"prompt"} else prompt
         if isinstance(text, str):
@@ -382,15 +394,19 @@ class AsyncLLM:
 
 
 def _engine_core(config: EngineConfig, commands: Connection, results: Connection, num_threads: int,
-                 log_level: int) -> None:
-    """The engine process: apply requests and aborts as they come, step while there is work."""
+                 log_level: int, cuda_visible_devices: str | None) -> None:
+    """The engine process: apply requests and aborts as they come, step while there is work.
+    cuda_visible_devices: the GPUs it (and its tensor-parallel workers) may see, set before
+    CUDA starts (None: those of the front)."""
+    if cuda_visible_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front decides
     torch.set_num_threads(num_threads)
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     try:
         engine = LLMEngine(config)
     except BaseException as error:  # noqa: BLE001 (the front raises it)
-        results.send(("dead", _picklable(error)))
+        results.send(("dead", picklable(error)))
         return
     sent_stats = engine.stats()
     results.send(("ready", sent_stats))
@@ -415,7 +431,7 @@ def _engine_core(config: EngineConfig, commands: Connection, results: Connection
     except BaseException as error:  # reported to the front (then /health says 503)
         logger.exception("The engine stopped on an error")
         try:
-            results.send(("dead", _picklable(error)))
+            results.send(("dead", picklable(error)))
         except OSError:
             pass  # the front is gone too
     finally:
@@ -448,7 +464,7 @@ def _apply_commands(engine: LLMEngine, commands: Connection) -> bool:
     return True
 
 
-def _picklable(error: BaseException) -> BaseException:
+def picklable(error: BaseException) -> BaseException:
     """The error itself when it survives the pipe (a ValueError about the config, say)."""
     try:
         pickle.dumps(error)

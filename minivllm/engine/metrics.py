@@ -30,6 +30,9 @@ logger = logging.getLogger("minivllm.stats")
 
 EngineStats = dict[str, int]
 
+# Every metric's labels, as vLLM's: the served model's name and the engine's data-parallel rank.
+_LABELS = ["model_name", "engine"]
+
 # vLLM's latency buckets (seconds).
 _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                  10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -49,23 +52,27 @@ class _Request:
 
 
 class ServingMetrics:
-    def __init__(self, model_name: str, read_engine_stats: Callable[[], EngineStats], device: str = "cuda") -> None:
-        """device: where the KV cache lives, "cuda" or "cpu" (the log line names it)."""
+    def __init__(self, model_name: str, read_engine_stats: Callable[[], EngineStats], device: str = "cuda",
+                 engine_index: int = 0) -> None:
+        """device: where the KV cache lives, "cuda" or "cpu" (the log line names it);
+        engine_index: the engine's data-parallel rank (vLLM's `engine` label, and the log line's)."""
         # A registry of our own: several engines in one process (tests) must not collide.
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        self.engine_index = engine_index
+        self.label_values = [model_name, str(engine_index)]  # for _LABELS
         self.kv_cache_device = "GPU" if device == "cuda" else device.upper()
         self._read_engine_stats = read_engine_stats
         self.ttft = _Histogram("vllm:time_to_first_token_seconds", "Time to first token, seconds.",
-                               _TTFT_BUCKETS, model_name, self.registry)
+                               _TTFT_BUCKETS, self.label_values, self.registry)
         self.itl = _Histogram("vllm:inter_token_latency_seconds", "Time between output tokens, seconds.",
-                              _ITL_BUCKETS, model_name, self.registry)
+                              _ITL_BUCKETS, self.label_values, self.registry)
         self.e2e = _Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency, seconds.",
-                              _REQUEST_BUCKETS, model_name, self.registry)
+                              _REQUEST_BUCKETS, self.label_values, self.registry)
         self.queue_time = _Histogram("vllm:request_queue_time_seconds", "Time spent waiting to be scheduled.",
-                                     _REQUEST_BUCKETS, model_name, self.registry)
+                                     _REQUEST_BUCKETS, self.label_values, self.registry)
         self.request_success = Counter("vllm:request_success", "Finished requests, by finish reason.",
-                                       ["model_name", "finished_reason"], registry=self.registry)
+                                       [*_LABELS, "finished_reason"], registry=self.registry)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self._requests: dict[str, _Request] = {}  # unfinished ones
@@ -98,7 +105,7 @@ class ServingMetrics:
                 del requests[request_id]
                 self.e2e.observe(now - request.arrival_time)
                 _, _, _, _, _, finish_reason, _ = completions[0]  # vLLM counts the first sample's
-                self.request_success.labels(self.model_name, finish_reason).inc()
+                self.request_success.labels(*self.label_values, finish_reason).inc()
         self.itl.observe_many(inter_token_latencies)
         self.num_generation_tokens += num_tokens
 
@@ -110,7 +117,7 @@ class ServingMetrics:
 
     def on_request_aborted(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
-        self.request_success.labels(self.model_name, "abort").inc()
+        self.request_success.labels(*self.label_values, "abort").inc()
 
     # --- the periodic log line --------------------------------------------------------------
 
@@ -128,23 +135,24 @@ class ServingMetrics:
         prompt, generation, queries, hits = (c - p for c, p in zip(current[1:], previous[1:]))
         if not (prompt or generation or stats["num_running"] or stats["num_waiting"]):
             return
-        logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+        logger.info("Engine %03d: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                     "Running: %d reqs, Waiting: %d reqs, %s KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-                    prompt / elapsed, generation / elapsed, stats["num_running"], stats["num_waiting"],
-                    self.kv_cache_device,
+                    self.engine_index, prompt / elapsed, generation / elapsed, stats["num_running"],
+                    stats["num_waiting"], self.kv_cache_device,
                     100 * kv_cache_usage(stats), 100 * hits / queries if queries else 0.0)
 
 
 class _Histogram(Collector):
-    """A Prometheus histogram of one model's values, exposed as prometheus_client's Histogram
-    exposes one. Observed on the event loop only, so without the locks that Histogram takes
-    per observation: the inter-token one records every streamed token."""
+    """A Prometheus histogram of one engine's values (label_values: those of _LABELS), exposed
+    as prometheus_client's Histogram exposes one. Observed on the event loop only, so without
+    the locks that Histogram takes per observation: the inter-token one records every
+    streamed token."""
 
-    def __init__(self, name: str, documentation: str, buckets: list[float], model_name: str,
+    def __init__(self, name: str, documentation: str, buckets: list[float], label_values: list[str],
                  registry: CollectorRegistry) -> None:
         self.name = name
         self.documentation = documentation
-        self.model_name = model_name
+        self.label_values = label_values
         self._bounds = [*buckets, math.inf]
         self._counts = [0] * len(self._bounds)  # per bucket, not cumulative
         self._sum = 0.0
@@ -161,11 +169,11 @@ class _Histogram(Collector):
         self._sum += sum(values)
 
     def collect(self) -> Iterator[Metric]:
-        family = HistogramMetricFamily(self.name, self.documentation, labels=["model_name"])
+        family = HistogramMetricFamily(self.name, self.documentation, labels=_LABELS)
         cumulative = itertools.accumulate(self._counts)
-        family.add_metric([self.model_name], [(floatToGoString(b), c) for b, c in zip(self._bounds, cumulative)],
+        family.add_metric(self.label_values, [(floatToGoString(b), c) for b, c in zip(self._bounds, cumulative)],
                           self._sum)
-        family.samples.append(Sample(f"{self.name}_created", {"model_name": self.model_name}, self._created))
+        family.samples.append(Sample(f"{self.name}_created", dict(zip(_LABELS, self.label_values)), self._created))
         yield family
 
 
@@ -182,16 +190,16 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self.metrics._read_engine_stats()
-        name = [self.metrics.model_name]
+        label_values = self.metrics.label_values
 
         def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(metric, doc, labels=["model_name"])
-            family.add_metric(name, value)
+            family = GaugeMetricFamily(metric, doc, labels=_LABELS)
+            family.add_metric(label_values, value)
             return family
 
         def counter(metric: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(metric, doc, labels=["model_name"])
-            family.add_metric(name, value)
+            family = CounterMetricFamily(metric, doc, labels=_LABELS)
+            family.add_metric(label_values, value)
             return family
 
         yield gauge("vllm:num_requests_running", "Requests being generated.", stats["num_running"])
@@ -205,3 +213,26 @@ class _EngineCollector(Collector):
         yield counter("vllm:prompt_tokens", "Prompt tokens of requests that started generating.",
                       self.metrics.num_prompt_tokens)
         yield counter("vllm:generation_tokens", "Generated tokens.", self.metrics.num_generation_tokens)
+
+
+def merged_registry(registries: list[CollectorRegistry]) -> CollectorRegistry:
+    """One registry exposing each metric of `registries` once, with the samples of all (data-
+    parallel engines' metrics, told apart by their engine label)."""
+    merged = CollectorRegistry()
+    merged.register(_MergedCollector(registries))
+    return merged
+
+
+class _MergedCollector(Collector):
+    def __init__(self, registries: list[CollectorRegistry]) -> None:
+        self.registries = registries
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for registry in self.registries:
+            for family in registry.collect():
+                if family.name in families:
+                    families[family.name].samples.extend(family.samples)
+                else:
+                    families[family.name] = family
+        yield from families.values()

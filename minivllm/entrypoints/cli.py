@@ -126,6 +126,9 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="reuse the KV cache of shared prompt prefixes")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="shard the model over this many GPUs")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="serve this many replicas of the engine (each on tensor-parallel-size GPUs of its own, "
+                             "or a share of the CPU cores); requests go to the least busy")
     _add_device_argument(parser)
     parser.add_argument("--block-size", type=int, default=EngineConfig.block_size,
                         help="tokens per KV-cache block (the prefix cache reuses whole blocks)")

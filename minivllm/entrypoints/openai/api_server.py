@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import minivllm
 from minivllm.config import EngineConfig, StructuredOutputsConfig
 from minivllm.engine.async_llm import AsyncLLM, EngineDeadError
+from minivllm.engine.data_parallel import DataParallelAsyncLLM, EngineClient
 from minivllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -58,10 +59,20 @@ def build_app(serving: OpenAIServing, api_key: str | None = None,
     hands out the chat template and the tokenizer's configuration)."""
     app = FastAPI(title="minivllm", version=minivllm.__version__)
     engine = serving.engine
+    if isinstance(engine, DataParallelAsyncLLM):
+        registry = engine.metrics_registry
 
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if engine.is_running else 503)
+        @app.get("/health")
+        async def health() -> Response:  # which replicas stopped; 200 while one serves
+            down = engine.down_replicas
+            return JSONResponse({"data_parallel_size": len(engine.replicas), "engines_down": down},
+                                status_code=200 if engine.is_running else 503)
+    else:
+        registry = engine.metrics.registry
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=200 if engine.is_running else 503)
 
     @app.get("/ping")
     async def ping() -> Response:
@@ -73,7 +84,7 @@ def build_app(serving: OpenAIServing, api_key: str | None = None,
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -289,7 +300,7 @@ class _DrainingServer(uvicorn.Server):
     rest with a 503 (a stream with an error event, then [DONE]); the server stops once their
     responses are out."""
 
-    def __init__(self, config: uvicorn.Config, edge: _EdgeApp, engine: AsyncLLM, shutdown_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, edge: _EdgeApp, engine: EngineClient, shutdown_timeout_s: float) -> None:
         super().__init__(config)
         self.edge = edge
         self.engine = engine
@@ -351,8 +362,11 @@ def run_server(args: argparse.Namespace) -> None:
                               structured_outputs_config=StructuredOutputsConfig.from_dict(
                                   args.structured_outputs_config))
         names = args.served_model_name or [args.model]
-        engine = AsyncLLM(config, model_name=names[0],
-                          log_stats_interval_s=None if args.disable_log_stats else 10.0)
+        log_stats_interval_s = None if args.disable_log_stats else 10.0
+        # One replica: the AsyncLLM itself, with nothing in between.
+        engine: EngineClient = (
+            AsyncLLM(config, names[0], log_stats_interval_s) if args.data_parallel_size == 1
+            else DataParallelAsyncLLM(config, args.data_parallel_size, names[0], log_stats_interval_s))
         cleanup.callback(engine.shutdown)
         serving = OpenAIServing(engine, names, args.trust_request_chat_template,
                                 tool_parser if args.enable_auto_tool_choice else None)

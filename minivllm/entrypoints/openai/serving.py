@@ -24,7 +24,8 @@ from typing import Any, cast
 from starlette.types import Message, Send
 from tokenizers import AddedToken
 
-from minivllm.engine.async_llm import AsyncLLM, RequestStream, WireCompletion, WireOutput
+from minivllm.engine.async_llm import RequestStream, WireCompletion, WireOutput
+from minivllm.engine.data_parallel import EngineClient
 from minivllm.engine.grammar_spec import check_structured_outputs
 from minivllm.entrypoints.chat_renderer import ChatRenderer
 from minivllm.entrypoints.openai.chat_message import MessageParsing, MessageStream
@@ -112,7 +113,7 @@ class EventStream:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str],
+    def __init__(self, engine: EngineClient, served_model_names: list[str],
                  trust_request_chat_template: bool = False, tool_parser: type[ToolParser] | None = None) -> None:
         """trust_request_chat_template: render chat templates that requests bring (`chat_template`),
         as vLLM's --trust-request-chat-template; refused otherwise. tool_parser: the format of the

@@ -1,0 +1,123 @@
+"""Data parallelism on one host: N engine replicas behind one API front (vLLM's
+`--data-parallel-size`).
+
+Each replica is an AsyncLLM with an engine-core process of its own: the whole model (sharded
+over tensor_parallel_size GPUs of its own on CUDA, a share of the cores on CPU) and its own KV
+cache. A request (all prompts of it) goes to the live replica with the fewest unfinished
+requests (ties to the lowest rank: one-at-a-time traffic stays on one replica, whose prefix
+cache then holds its conversations). A replica whose core dies ends its own requests with
+EngineDeadError; the others go on serving, and the server answers /health with 200 while one
+lives. Not here: prefix-aware routing, replicas on other hosts.
+"""
+
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from minivllm.config import EngineConfig
+from minivllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from minivllm.engine.input_processor import PromptType
+from minivllm.engine.metrics import merged_registry
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+
+def replica_cuda_devices(config: EngineConfig, data_parallel_size: int) -> list[str | None]:
+    """The CUDA_VISIBLE_DEVICES of each replica: replica i takes the visible GPUs
+    i*tp .. i*tp+tp-1 (None for each on CPU). Raises ValueError when there are too few."""
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}.")
+    if config.device != "cuda":
+        return [None] * data_parallel_size
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    tp = config.tensor_parallel_size
+    if data_parallel_size * tp > len(gpus):
+        raise ValueError(f"data_parallel_size={data_parallel_size} x tensor_parallel_size={tp} needs "
+                         f"{data_parallel_size * tp} GPUs, but {len(gpus)} are visible: lower data_parallel_size.")
+    return [",".join(gpus[i * tp:(i + 1) * tp]) for i in range(data_parallel_size)]
+
+
+class DataParallelAsyncLLM:
+    """AsyncLLM's interface over data_parallel_size replicas (see the module's docstring)."""
+
+    def __init__(self, config: EngineConfig, data_parallel_size: int, model_name: str | None = None,
+                 log_stats_interval_s: float | None = 10.0) -> None:
+        """Start every replica (their models load at once); returns once all are ready, or
+        stops those that started and raises what stopped one."""
+        devices = replica_cuda_devices(config, data_parallel_size)
+        with ThreadPoolExecutor(data_parallel_size, thread_name_prefix="minivllm-dp-start") as pool:
+            starting = [pool.submit(AsyncLLM, config, model_name, log_stats_interval_s, rank, data_parallel_size,
+                                    devices[rank]) for rank in range(data_parallel_size)]
+            errors = [future.exception() for future in starting]
+        self.replicas = [future.result() for future, error in zip(starting, errors) if error is None]
+        if len(self.replicas) < data_parallel_size:
+            self.shutdown()
+            raise next(error for error in errors if error is not None)
+        first = self.replicas[0]
+        self.config = config
+        self.tokenizer = first.tokenizer
+        self.input_processor = first.input_processor
+        self.metrics_registry = merged_registry([replica.metrics.registry for replica in self.replicas])
+        self._request_counter = 0
+
+    @property
+    def is_running(self) -> bool:
+        """Whether a replica still serves."""
+        return any(replica.is_running for replica in self.replicas)
+
+    @property
+    def down_replicas(self) -> list[int]:
+        """The ranks of the replicas whose core stopped."""
+        return [rank for rank, replica in enumerate(self.replicas) if not replica.is_running]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.input_processor.vocab_size
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self.replicas[0].encode(text, add_special_tokens)
+
+    async def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                          request_id: str | None = None, arrival_time: float | None = None) -> RequestStream:
+        (stream,) = await self.add_requests([prompt], params, [request_id], arrival_time)
+        return stream
+
+    async def add_requests(self, prompts: list[PromptType], params: SamplingParams | None,
+                           request_ids: list[str | None], arrival_time: float | None = None) -> list[RequestStream]:
+        """AsyncLLM.add_requests on the live replica with the fewest unfinished requests.
+        Text is tokenized first: the replica is chosen and the requests registered with it
+        without an await between (else concurrent requests would all count the same loads)."""
+        arrival_time = arrival_time or time.time()
+        prompts = [await self.replicas[0].with_token_ids(prompt) for prompt in prompts]
+        live = [replica for replica in self.replicas if replica.is_running]
+        if not live:
+            raise EngineDeadError("Every engine has stopped; restart the server.")
+        replica = min(live, key=lambda replica: replica.num_unfinished_requests)
+        # Ids unique across the replicas: each would otherwise count from 1.
+        ids: list[str | None] = [request_id or self._next_request_id() for request_id in request_ids]
+        return await replica.add_requests(prompts, params, ids, arrival_time)
+
+    def _next_request_id(self) -> str:
+        self._request_counter += 1
+        return str(self._request_counter)
+
+    async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        async for output in await self.add_request(prompt, params, request_id):
+            yield output
+
+    def close(self, error: Callable[[], BaseException]) -> int:
+        """AsyncLLM.close on every replica; returns how many requests were ended."""
+        return sum(replica.close(error) for replica in self.replicas)
+
+    def shutdown(self) -> None:
+        for replica in self.replicas:
+            replica.shutdown()
+
+
+# What the server runs on: one engine, or replicas of it.
+EngineClient = AsyncLLM | DataParallelAsyncLLM
