@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine.data_parallel import replica_cuda_devices
+from minivllm.engine.data_parallel import PrefixRouter, replica_cuda_devices
 from tests.server_utils import RemoteServer, alive, descendants
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "A language model reads a prompt",
@@ -106,6 +106,45 @@ def test_a_burst_is_answered_in_full_by_both_engines(server: RemoteServer) -> No
     generated = engine_samples(server, "vllm:generation_tokens_total")
     assert set(generated) == {"0", "1"} and all(tokens > 0 for tokens in generated.values())
     assert httpx.get(f"{server.url}/health").json() == {"data_parallel_size": 2, "engines_down": []}
+
+
+def test_the_router_keeps_a_prefix_on_its_replica_while_load_allows() -> None:
+    router = PrefixRouter(3, block_size=4, slack=2)
+    shared = list(range(100, 112))  # three whole blocks
+    assert router.choose(shared + [1], [0, 0, 0]) == 0  # seen nowhere: the least busy, lowest rank
+    assert router.choose(list(range(8)), [1, 0, 0]) == 1
+    assert router.choose(shared + [2], [2, 0, 0]) == 0  # its prefix's replica, 2 requests busier
+    assert router.choose(shared + [3], [3, 0, 0]) == 1  # 3 busier: past the slack, the least busy
+    assert router.choose(shared[:8] + [9, 9, 9, 9], [0, 0, 0]) == 0  # the longer match (1 has all 3)
+    assert router.choose(shared + [4], [0, 0, 0]) == 0  # replica 0 matches 3, replica 1 too: the first
+    assert router.choose(shared + [4], [None, 1, 0]) == 1  # replica 0 down
+    assert router.choose([7, 7, 7], [4, None, 2]) == 2  # no whole block: the least busy live one
+    assert router.block_keys(list(range(10))) == router.block_keys(list(range(8)))  # whole blocks only
+
+
+@pytest.mark.slow
+def test_requests_sharing_a_prefix_hit_it_on_one_replica(model_dir: str) -> None:
+    """Two prefixes, first one request each, then three each at once: each wave-two request
+    goes where its prefix was computed and finds all its blocks in that replica's cache (load
+    alone would send some of them to the other replica)."""
+    server = RemoteServer(model_dir, *SERVER_ARGS)
+    try:
+        prefixes = [[5 + i % 50 for i in range(3 * 64)], [60 + i % 40 for i in range(3 * 64)]]
+
+        async def wave(requests: list[tuple[list[int], int]]) -> None:
+            client = server.async_client(timeout=120)  # one per event loop
+            await asyncio.gather(*(client.completions.create(model="tiny", prompt=prefix + [suffix] * 8, max_tokens=2)
+                                   for prefix, suffix in requests))
+
+        asyncio.run(wave([(prefixes[0], 1), (prefixes[1], 2)]))
+        server.wait_idle()
+        before = engine_samples(server, "vllm:prefix_cache_hits_total")
+        asyncio.run(wave([(prefix, 3 + i) for i in range(3) for prefix in prefixes]))
+        server.wait_idle()
+        hits = engine_samples(server, "vllm:prefix_cache_hits_total")
+        assert sum(hits.values()) - sum(before.values()) == 6 * 3 * 64
+    finally:
+        server.stop()
 
 
 @pytest.mark.slow

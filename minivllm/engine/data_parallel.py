@@ -3,16 +3,18 @@
 
 Each replica is an AsyncLLM with an engine-core process of its own: the whole model (sharded
 over tensor_parallel_size GPUs of its own on CUDA, a share of the cores on CPU) and its own KV
-cache. A request (all prompts of it) goes to the live replica with the fewest unfinished
-requests (ties to the lowest rank: one-at-a-time traffic stays on one replica, whose prefix
-cache then holds its conversations). A replica whose core dies ends its own requests with
+cache. A request (all prompts of it) goes to the live replica whose prefix cache most likely
+holds the start of its first prompt (PrefixRouter), unless that replica is much busier than
+the least busy one; otherwise to the live replica with the fewest unfinished requests (ties to
+the lowest rank: one-at-a-time traffic stays on one replica). A replica whose core dies ends its own requests with
 EngineDeadError; the others go on serving, and the server answers /health with 200 while one
-lives. Not here: prefix-aware routing, replicas on other hosts.
+lives. Not here: replicas on other hosts.
 """
 
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -41,6 +43,54 @@ def replica_cuda_devices(config: EngineConfig, data_parallel_size: int) -> list[
     return [",".join(gpus[i * tp:(i + 1) * tp]) for i in range(data_parallel_size)]
 
 
+# The prompt blocks a request records for routing (its first ones: what other requests share).
+ROUTED_BLOCKS_PER_REQUEST = 64
+# Block keys remembered per replica (least recently routed forgotten first): about what the
+# prefix caches of a few thousand requests hold.
+ROUTED_BLOCKS_PER_REPLICA = 100_000
+
+
+class PrefixRouter:
+    """Which replica a prompt goes to. Each replica remembers the keys of the prompt blocks
+    routed to it (chained hashes of whole KV blocks, as its prefix cache keys them): a prompt
+    goes where most of its leading blocks went before, so its prefix-cache hits stay on one
+    replica, unless that replica has more than `slack` unfinished requests beyond the least
+    busy one; then, and for a prompt seen nowhere, to the least busy one."""
+
+    def __init__(self, num_replicas: int, block_size: int, slack: int = 8) -> None:
+        self.block_size = block_size
+        self.slack = slack
+        self.seen: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
+
+    def block_keys(self, token_ids: Sequence[int]) -> list[int]:
+        keys, key = [], 0
+        num_blocks = min(len(token_ids) // self.block_size, ROUTED_BLOCKS_PER_REQUEST)
+        for start in range(0, num_blocks * self.block_size, self.block_size):
+            key = hash((key, tuple(token_ids[start:start + self.block_size])))
+            keys.append(key)
+        return keys
+
+    def choose(self, token_ids: Sequence[int], loads: list[int | None]) -> int:
+        """The replica for a prompt, given each replica's unfinished requests (None: down);
+        records the prompt's blocks there."""
+        live = {rank: load for rank, load in enumerate(loads) if load is not None}
+        least = min(live, key=live.__getitem__)  # the least busy; ties to the lowest rank
+        keys = self.block_keys(token_ids)
+        best, best_matched = least, 0
+        for rank, load in live.items():
+            seen = self.seen[rank]
+            matched = next((i for i, key in enumerate(keys) if key not in seen), len(keys))
+            if matched > best_matched and load <= live[least] + self.slack:
+                best, best_matched = rank, matched
+        seen = self.seen[best]
+        for key in keys:
+            seen[key] = None
+            seen.move_to_end(key)
+        while len(seen) > ROUTED_BLOCKS_PER_REPLICA:
+            seen.popitem(last=False)
+        return best
+
+
 class DataParallelAsyncLLM:
     """AsyncLLM's interface over data_parallel_size replicas (see the module's docstring)."""
 
@@ -62,6 +112,7 @@ class DataParallelAsyncLLM:
         self.tokenizer = first.tokenizer
         self.input_processor = first.input_processor
         self.metrics_registry = merged_registry([replica.metrics.registry for replica in self.replicas])
+        self.router = PrefixRouter(data_parallel_size, config.block_size)
         self._request_counter = 0
 
     @property
@@ -88,15 +139,15 @@ class DataParallelAsyncLLM:
 
     async def add_requests(self, prompts: list[PromptType], params: SamplingParams | None,
                            request_ids: list[str | None], arrival_time: float | None = None) -> list[RequestStream]:
-        """AsyncLLM.add_requests on the live replica with the fewest unfinished requests.
+        """AsyncLLM.add_requests on the replica PrefixRouter picks for the first prompt.
         Text is tokenized first: the replica is chosen and the requests registered with it
         without an await between (else concurrent requests would all count the same loads)."""
         arrival_time = arrival_time or time.time()
         prompts = [await self.replicas[0].with_token_ids(prompt) for prompt in prompts]
-        live = [replica for replica in self.replicas if replica.is_running]
-        if not live:
+        loads = [replica.num_unfinished_requests if replica.is_running else None for replica in self.replicas]
+        if all(load is None for load in loads):
             raise EngineDeadError("Every engine has stopped; restart the server.")
-        replica = min(live, key=lambda replica: replica.num_unfinished_requests)
+        replica = self.replicas[self.router.choose(_token_ids(prompts[0]), loads)]
         # Ids unique across the replicas: each would otherwise count from 1.
         ids: list[str | None] = [request_id or self._next_request_id() for request_id in request_ids]
         return await replica.add_requests(prompts, params, ids, arrival_time)
@@ -117,6 +168,13 @@ class DataParallelAsyncLLM:
     def shutdown(self) -> None:
         for replica in self.replicas:
             replica.shutdown()
+
+
+def _token_ids(prompt: PromptType) -> Sequence[int]:
+    """A tokenized prompt's ids (after with_token_ids); none for a prompt in no form the engine
+    takes (the replica refuses it)."""
+    token_ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
+    return token_ids if isinstance(token_ids, list) else []
 
 
 # What the server runs on: one engine, or replicas of it.
