@@ -4,7 +4,6 @@ import gc
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import cast
 
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
@@ -419,8 +418,7 @@ class LLMEngine:
                 text = final_texts[seq.seq_id]
             logprobs = None
             if request.params.logprobs is not None:
-                logprobs = [{token: Logprob(value, rank, self._decode_token(token))
-                             for token, (value, rank) in position.items()} for position in seq.logprobs[start:]]
+                logprobs = self._logprob_dicts(seq.logprobs[start:])
             completions.append(CompletionOutput(
                 index=seq.index, text=text, token_ids=seq.output_token_ids[start:],
                 cumulative_logprob=seq.cumulative_logprob if request.params.logprobs is not None else None,
@@ -435,17 +433,17 @@ class LLMEngine:
     def _prompt_logprobs(self, request: Request) -> PromptLogprobs:
         """As vLLM's RequestOutput.prompt_logprobs: None for the first prompt token (nothing
         precedes it), then per position its token and the top candidates, decoded."""
-        positions = request.prompt_logprobs
-        texts = self._decode_tokens({token for position in positions for token in position})
-        return [None, *({token: Logprob(value, rank, texts.get(token)) for token, (value, rank) in position.items()}
-                        for position in positions)]
+        return [None, *self._logprob_dicts(request.prompt_logprobs)]
 
-    def _decode_tokens(self, token_ids: set[int]) -> dict[int, str]:
-        """Each token's text alone (none without a tokenizer), decoded in one batch."""
-        if self.tokenizer is None:
-            return {}
-        ids = list(token_ids)
-        return dict(zip(ids, self.tokenizer.batch_decode([[token] for token in ids])))
+    def _logprob_dicts(self, positions: list[TokenLogprobs]) -> list[dict[int, Logprob]]:
+        """Per position, token id -> Logprob with the token's text alone (None without a
+        tokenizer); every token decoded once, in one batch."""
+        texts: dict[int, str] = {}
+        if self.tokenizer is not None:
+            ids = list({token for position in positions for token in position})
+            texts = dict(zip(ids, self.tokenizer.batch_decode([[token] for token in ids])))
+        return [{token: Logprob(value, rank, texts.get(token)) for token, (value, rank) in position.items()}
+                for position in positions]
 
     def _final_texts(self, finished: list[tuple[Request, Sequence]]) -> dict[int, str]:
         """The whole output text of each of these finished sequences (each with its request),
@@ -469,8 +467,4 @@ class LLMEngine:
         if stopped_by_token and not seq.params.include_stop_str_in_output:
             return seq.output_token_ids[:-1]
         return seq.output_token_ids
-
-    def _decode_token(self, token: int) -> str | None:
-        # cast: decode() is typed for batches too; one sequence's ids give one string.
-        return cast(str, self.tokenizer.decode([token])) if self.tokenizer is not None else None
 
