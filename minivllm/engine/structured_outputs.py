@@ -10,8 +10,8 @@ for their next-token masks once the step before it is read back (LLMEngine.step)
 
 A reasoning model writes its reasoning first, unconstrained: with a `reasoner` (an object with
 vLLM's ReasoningParser method `is_reasoning_end(token_ids) -> bool`), a sequence is neither
-masked nor advanced until the reasoner says its tokens (prompt, then outputs so far) end the
-reasoning; the grammar applies to the tokens after that.
+masked nor advanced until the reasoner says the reasoning has ended (asked of the prompt, then
+of each new token alone); the grammar applies to the tokens after that.
 """
 
 from __future__ import annotations
