@@ -321,7 +321,7 @@ def test_a_failed_step_stops_the_engine(model_dir: str, monkeypatch: pytest.Monk
     def broken_launch(batch: object) -> None:
         raise MemoryError("out of device memory")
 
-    monkeypatch.setattr(engine.model_runner, "launch", broken_launch)
+    monkeypatch.setattr(engine.model_runner, "launch_forward", broken_launch)
     with pytest.raises(MemoryError):
         engine.step()
     # Its books no longer match the KV cache: it refuses to go on rather than risk wrong output.

@@ -269,6 +269,33 @@ def test_unguided_requests_do_not_notice(llm: LLM) -> None:
     assert all(follows(c.text) for (_, follows), o in zip(CASES.values(), mixed[2:]) for c in o.outputs)
 
 
+def test_a_guided_step_queues_the_next_forward_pass_behind_its_sampling(
+        llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a steady guided batch, each step's sampling is queued right before the next step's
+    forward pass (prepared beforehand), and only then is the sampled step read back: the device
+    runs the next forward pass while the host reads back, advances the grammars and fills the
+    next masks."""
+    runner = llm.llm_engine.model_runner
+    calls: list[str] = []
+    for name in ("prepare_forward", "launch_forward", "launch_sampling", "collect"):
+        method = getattr(runner, name)
+
+        def record(*args: Any, _name: str = name, _method: Any = method) -> Any:
+            calls.append(_name)
+            return _method(*args)
+
+        monkeypatch.setattr(runner, name, record)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(regex="[a-z]{20}"))
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert all(re.fullmatch("[a-z]{20}", text) for text in texts(outputs))
+    steady = ["prepare_forward", "launch_sampling", "launch_forward", "collect"]
+    cycles = sum(calls[i:i + 4] == steady for i in range(len(calls)))
+    # Every read-back is such a cycle's but the first (a step left in flight by an earlier
+    # generate) and the last (nothing more to schedule).
+    assert cycles >= calls.count("collect") - 2 >= 5, calls
+
+
 def test_stop_strings_cut_a_guided_output(llm: LLM) -> None:
     whole = llm.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0, structured_outputs=CASES["regex"][0]),
                          use_tqdm=False)

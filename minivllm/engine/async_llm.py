@@ -412,7 +412,7 @@ def _engine_core(config: EngineConfig, commands: Connection, results: Connection
     results.send(("ready", sent_stats))
     try:
         while True:
-            busy = engine.has_unfinished_requests() or engine.in_flight is not None
+            busy = engine.has_unfinished_requests() or engine.has_steps_in_flight
             if not busy and not commands.poll(_IDLE_POLL_S):
                 parent = mp.parent_process()
                 if parent is not None and not parent.is_alive():
@@ -421,7 +421,7 @@ def _engine_core(config: EngineConfig, commands: Connection, results: Connection
             if not _apply_commands(engine, commands):
                 break
             outputs = []
-            if engine.has_unfinished_requests() or engine.in_flight is not None:
+            if engine.has_unfinished_requests() or engine.has_steps_in_flight:
                 outputs = engine.step()
             stats = engine.stats()
             if outputs or stats != sent_stats:

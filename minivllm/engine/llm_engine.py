@@ -15,7 +15,7 @@ from minivllm.engine.kv_cache_manager import KVCacheManager
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.structured_outputs import StructuredOutputManager
-from minivllm.executor.model_runner import ModelRunner, StepHandle, TokenLogprobs
+from minivllm.executor.model_runner import ForwardPass, ModelRunner, StepHandle, TokenLogprobs
 from minivllm.executor.worker import Workers
 from minivllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 from minivllm.reasoning import reasoning_parser_class
@@ -103,6 +103,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}  # the requests' sequences, by id
         self.in_flight: StepHandle | None = None  # the launched step not yet read back
+        # A step whose forward pass is queued and whose sampling waits for the grammar masks of
+        # its guided rows (their places among its sampled rows, and seq ids).
+        self.awaiting_masks: tuple[ForwardPass, list[tuple[int, int]]] | None = None
         self.failure: BaseException | None = None  # what broke a step (the engine is then unusable)
         self._request_counter = itertools.count()
         # Tokens processed, for the progress bar's live rates.
@@ -253,29 +256,37 @@ class LLMEngine:
 
         Returns outputs of the requests that finished, and of streaming requests that
         advanced. The step after a launch is scheduled before the launched step's tokens
-        are read back, so the device never waits for the host's bookkeeping. A step that
-        samples grammar-guided sequences samples after that read-back (their masks depend on
-        those tokens); its forward pass is queued before it all the same.
+        are read back, so the device never waits for the host's bookkeeping.
+
+        A step that samples grammar-guided sequences samples only once the step before it is
+        read back (their masks depend on those tokens): its forward pass is queued, and its
+        sampling waits for the next call, which queues it with the next step's forward pass
+        right behind, prepared beforehand; both run while the host reads this step back.
         """
         outputs: list[RequestOutput] = []
         if self.structured_outputs.has_compiling:
             outputs += self._admit_compiled()
-        if self.in_flight is not None and self._needs_known_tokens():
+        if self.has_steps_in_flight and self._needs_known_tokens():
+            if self.awaiting_masks is not None:
+                self.in_flight = self._launch_masked_sampling()
+            assert self.in_flight is not None
             outputs += self._finish_step(self.in_flight)
             self.in_flight = None
         if self.failure is not None:
             raise RuntimeError("The engine failed in an earlier step; start a new one.") from self.failure
         scheduled = self.scheduler.schedule()
-        guided_rows = self.structured_outputs.guided_rows(scheduled) if self.structured_outputs.guided else []
-        forward = launched = None
+        launched = None
         try:
-            if guided_rows:
-                # Their grammar masks need the tokens of the step in flight: queue the forward
-                # pass, read that step back while it runs, then sample with the masks (below).
-                forward = self.model_runner.launch_forward(scheduled)
-            else:
-                # (Called for a step without rows too: the runner forgets finished sequences.)
-                launched = self.model_runner.launch(scheduled)
+            # (Prepared for a step without rows too: the runner forgets finished sequences.)
+            prepared = self.model_runner.prepare_forward(scheduled)
+            if self.awaiting_masks is not None:
+                self.in_flight = self._launch_masked_sampling()
+            forward = self.model_runner.launch_forward(prepared) if prepared is not None else None
+            guided_rows = self.structured_outputs.guided_rows(scheduled) if self.structured_outputs.guided else []
+            if forward is not None and guided_rows:
+                self.awaiting_masks = (forward, guided_rows)
+            elif forward is not None:
+                launched = self.model_runner.launch_sampling(forward)
         except BaseException as error:
             # The scheduler already counted this step as done (computed tokens, cached block
             # hashes), so the engine's books no longer match the KV cache: stop for good.
@@ -291,21 +302,32 @@ class LLMEngine:
         self.num_prefill_tokens += sum(scheduled.num_new_tokens) - num_decodes
         if self.in_flight is not None:
             outputs += self._finish_step(self.in_flight)
-        if forward is not None:
-            try:
-                launched = self.model_runner.launch_sampling(forward, self.structured_outputs.bitmask(guided_rows))
-            except BaseException as error:
-                self.failure = error
-                raise
         self.in_flight = launched
         return outputs
+
+    def _launch_masked_sampling(self) -> StepHandle:
+        """Queue the sampling of the step awaiting its grammar masks, with the masks its guided
+        sequences' matchers give now (the step before it read back)."""
+        assert self.awaiting_masks is not None
+        forward, guided_rows = self.awaiting_masks
+        self.awaiting_masks = None
+        try:
+            return self.model_runner.launch_sampling(forward, self.structured_outputs.bitmask(guided_rows))
+        except BaseException as error:
+            self.failure = error
+            raise
+
+    @property
+    def has_steps_in_flight(self) -> bool:
+        """A launched step is still to be read back (its requests may all be gone)."""
+        return self.in_flight is not None or self.awaiting_masks is not None
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Schedule the requests whose grammar has compiled; finish those whose compile failed
         (finish_reason "error", as vLLM reports a request's internal error). With nothing else
         to run, first wait a little for a compile."""
         manager = self.structured_outputs
-        if self.in_flight is None and not (self.scheduler.running or self.scheduler.waiting):
+        if not self.has_steps_in_flight and not (self.scheduler.running or self.scheduler.waiting):
             manager.wait_for_compile(COMPILE_WAIT_S)
         outputs = []
         for request_id, error in manager.take_compiled():

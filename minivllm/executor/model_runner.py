@@ -77,6 +77,14 @@ class ForwardPass:
 
 
 @dataclass(frozen=True, slots=True)
+class PreparedStep:
+    """A step whose inputs are written on the host (prepare_forward), not yet queued."""
+
+    rows: StepRows
+    inputs: StepInputs
+
+
+@dataclass(frozen=True, slots=True)
 class SampledTokens:
     """A collected step: a row per sampled sequence, in the scheduler's order; and per
     sequence whose prompt logprobs the step computed, its id and those positions' logprobs,
@@ -357,33 +365,36 @@ class ModelRunner:
             rows[...] = array
         self.execute_model(step)
 
-    def launch(self, out: SchedulerOutput) -> StepHandle | None:
-        """Take in the scheduler's changes (update_states), then queue the step's forward pass
-        and sampling on the device; don't wait for them. None when nothing samples and no
-        prompt logprobs are computed."""
-        forward = self.launch_forward(out)
-        return None if forward is None else self.launch_sampling(forward)
-
-    @torch.inference_mode()
-    def launch_forward(self, out: SchedulerOutput) -> ForwardPass | None:
-        """launch's first half: take in the scheduler's changes and queue the forward pass;
-        None when nothing samples and no prompt logprobs are computed. The engine reads the
-        previous step back meanwhile, then calls launch_sampling (with the grammar bitmask
-        those tokens decide)."""
+    def prepare_forward(self, out: SchedulerOutput) -> PreparedStep | None:
+        """A step's host half: take in the scheduler's changes (update_states) and write its
+        inputs into the next host buffer set; None when it has no rows. Nothing is queued on
+        the device yet, so the engine may first queue the sampling of the step before it
+        (whose tokens this one reads on the device) and then this one's forward pass
+        (launch_forward) right behind it."""
         self.update_states(out)
         if not out.seq_ids:
             return None
         rows = self.batch.rows(out)
-        prompt_logprobs = self.batch.prompt_logprob_rows(rows)
         graph = (self.graphs.padded_shape(rows.num_tokens, len(rows.states), rows.num_decodes)
                  if self.graphs else None)
-        step = self.prepare_inputs(rows, graph, prompt_logprobs)
+        step = self.prepare_inputs(rows, graph, self.batch.prompt_logprob_rows(rows))
+        if rows.sampled_ids:
+            # The next step's pending tokens are this one's (launch_sampling puts them on the device).
+            self.last_sampled_rows = rows.sampled_row_of
+        return PreparedStep(rows, step)
+
+    @torch.inference_mode()
+    def launch_forward(self, prepared: PreparedStep) -> ForwardPass | None:
+        """Queue a prepared step's forward pass (on every rank); None when nothing samples and
+        no prompt logprobs are computed. launch_sampling follows, once the grammar bitmask of
+        its guided rows is known."""
+        step = prepared.inputs
         if self.workers is not None:
             self.workers.call("execute_shipped", step)
         logits, prompt_host = self.execute_model(step)
-        if not rows.sampled_ids and prompt_logprobs is None:
+        if not prepared.rows.sampled_ids and step.prompt_logprobs is None:
             return None
-        return ForwardPass(rows, logits, prompt_logprobs, prompt_host)
+        return ForwardPass(prepared.rows, logits, step.prompt_logprobs, prompt_host)
 
     @torch.inference_mode()
     def launch_sampling(self, forward: ForwardPass, grammar: GrammarBitmask | None = None) -> StepHandle:
@@ -399,9 +410,9 @@ class ModelRunner:
                 guided_rows = None if len(grammar.rows) == len(sampled_ids) else grammar.rows
                 apply_token_bitmask(logits, grammar.bitmask, guided_rows)
             sampled = self.sampler(logits, self._sampling_metadata(rows))
-            # The next step reads these on the device, for sequences whose token is still pending.
+            # The next step reads these on the device, for sequences whose token is still pending
+            # (at the rows prepare_forward noted).
             self.last_sampled = sampled.sampled_token_ids
-            self.last_sampled_rows = rows.sampled_row_of
             # Two pinned buffers in turn: a step's tokens are read after the next step is launched.
             self._token_buffer = 1 - self._token_buffer
             host = [self._sampled_host[self._token_buffer][:len(sampled_ids)]]
