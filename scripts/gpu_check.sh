@@ -22,7 +22,8 @@
 #          directory for the server and the client (default: the preset's demo tokenizer)
 #   w6     W6 structured serving: `python3 -m minivllm serve` (W4's model and flags, and JSON without
 #          free whitespace: --structured-outputs-config) under benchmarks.serving: W4's concurrency 64
-#          and rate inf (the in-run reference), then --w6 and --w6 --distinct-schemas (~3 min). Needs
+#          and rate inf (the in-run reference of W6's goal against our W4), then --w6 and --w6
+#          --distinct-schemas (~3 min). Needs
 #          w4's packages and xgrammar with apache-tvm-ffi (carry .whl with them too: their cp312 wheels
 #          are in .vl/b4); W6_TOKENIZER: a tokenizer directory (default .vl/tools/tokenizer, SmolLM2's:
 #          W6's definition). An invalid reply fails the step
@@ -44,8 +45,8 @@
 #          its scripts, staged on the GPU machine as .vl/: benchmarks/README.md) and carry .vl/tools;
 #          start-up ~80-110 s each. Not part of "all". RESULTS.md's table: GPU_CHECK=w1,vllm_w1,
 #          GPU_CHECK=w1_fp8,vllm_w1_fp8 and GPU_CHECK=w2,vllm_w2w3,w3.
-#   vllm_w6  w6 on vLLM 0.20.1's server (staged as above, carry .vl/tools), the same client, model,
-#          tokenizer and flags; its start-up ~2 min. W6's pair: GPU_CHECK=w6,vllm_w6
+#   vllm_w6  w6's W6 regimes on vLLM 0.20.1's server (staged as above, carry .vl/tools), the same
+#          client, model, tokenizer and flags; its start-up ~2 min. W6's pair: GPU_CHECK=w6,vllm_w6
 #
 # Environment: OUT (logs; default /tmp/gpu_check), BENCH_ARGS (extra arguments for every
 # benchmark, e.g. "--enforce-eager"), STEP_TIMEOUT (seconds per step, default 480),
@@ -134,14 +135,17 @@ serve_w4() {  # W4 on the tree in the current directory: its server, benchmarks.
 }
 
 serve_w6() {  # serve_w6 LABEL COMMAND...: W6 on the server COMMAND starts (W4's flags, JSON without free
-    # whitespace): W4's concurrency 64 and rate inf (the in-run reference), then W6, then W6 with distinct schemas
+    # whitespace): on minivllm W4's concurrency 64 and rate inf first (the in-run reference of W6's goal
+    # against our own W4), then W6, then W6 with distinct schemas
     local label="$1" model=/tmp/w6-model rc=0; shift
     [[ -d "$W6_TOKENIZER" ]] || { echo "W6_TOKENIZER=$W6_TOKENIZER: no such directory (W6 uses SmolLM2's tokenizer)"; return 1; }
     start_server "$model" "$W6_TOKENIZER" "$OUT/w6-$label-server-${MINIVLLM_COMMIT:-tree}.log" "$@" "$model" \
         --structured-outputs-config '{"backend": "xgrammar", "disable_any_whitespace": true}' || return 1
     local client="$CLIENT --tokenizer $model --label $label --json-out $RESULTS"
-    $client --max-concurrency 64 --num-prompts 640 --num-warmups 16 || rc=1
-    $client --num-prompts 1000 || rc=1
+    if [[ $label == minivllm ]]; then
+        $client --max-concurrency 64 --num-prompts 640 --num-warmups 16 || rc=1
+        $client --num-prompts 1000 || rc=1
+    fi
     $client --w6 || rc=1
     $client --w6 --distinct-schemas || rc=1
     kill -TERM $SERVER_PID; wait $SERVER_PID  # not judged: servers differ (uvicorn re-raises SIGTERM: 143)
