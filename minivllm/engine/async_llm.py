@@ -480,7 +480,8 @@ def _apply_commands(engine: LLMEngine, commands: Connection, results: Connection
         elif command[0] == "abort":
             engine.abort_request(command[1])
         else:
-            results.send(("snapshot", engine.snapshot(), engine.stats()))
+            snapshot = engine.snapshot()
+            results.send(("snapshot", snapshot, snapshot.stats))
     return True
 
 

@@ -243,7 +243,7 @@ class LLMEngine:
                 state = "waiting"
             rows.append((request.request_id, state, len(request.prompt_token_ids),
                          sum(seq.num_output_tokens for seq in seqs), request.metrics.arrival_time))
-        return EngineSnapshot(self.kv_cache_manager.block_states(), self.config.block_size,
+        return EngineSnapshot(self.stats(), self.kv_cache_manager.block_states(), self.config.block_size,
                               sum(seq.is_preempted for seq in self.scheduler.waiting), len(self.requests), rows)
 
     def reset_prefix_cache(self) -> bool:

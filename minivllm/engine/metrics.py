@@ -40,6 +40,7 @@ class EngineSnapshot:
     """What the engine core sends the dashboard, when asked (at most once a second, while one
     is open): built from the state it keeps anyway."""
 
+    stats: EngineStats  # LLMEngine.stats, of the same moment
     block_states: bytes  # KVCacheManager.block_states
     block_size: int
     num_preempted: int  # waiting sequences that were preempted

@@ -68,10 +68,13 @@ class DashboardFeed:
 
     async def events(self) -> AsyncIterator[str]:
         """A snapshot a second as server-sent events, until the server drains."""
+        sent = None
         while not self.closed:
-            started = time.monotonic()
-            yield f"data: {json.dumps(await self.snapshot())}\n\n"
-            await asyncio.sleep(max(INTERVAL_S - (time.monotonic() - started), 0.0))
+            snapshot = await self.snapshot()
+            if snapshot is not sent:
+                yield f"data: {json.dumps(snapshot)}\n\n"
+                sent = snapshot
+            await asyncio.sleep(max(self._taken_at + INTERVAL_S - time.monotonic(), 0.01))  # till the next is due
 
     def close(self) -> None:
         self.closed = True
@@ -87,7 +90,7 @@ class DashboardFeed:
         except EngineDeadError:
             return {"engine": rank, "up": False}
         now, clock = time.time(), time.monotonic()
-        stats, metrics = engine.engine_stats(), engine.metrics  # stats: as of the snapshot
+        stats, metrics = snapshot.stats, engine.metrics
         current = (clock, metrics.num_prompt_tokens, metrics.num_generation_tokens, stats["prefix_cache_queries"],
                    stats["prefix_cache_hits"])
         counters = self._counters[rank]
