@@ -137,8 +137,10 @@ class Load:
     its last one is answered, until the block ends: prompts of a few lengths, sharing a
     prefix (prefix-cache hits), each max_tokens tokens long (no EOS)."""
 
-    def __init__(self, url: str, concurrency: int, max_tokens: int = 48, api_key: str | None = None) -> None:
+    def __init__(self, url: str, concurrency: int, max_tokens: int = 48, api_key: str | None = None,
+                 model: str = "tiny") -> None:
         self.url = url
+        self.model = model
         self.max_tokens = max_tokens
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.stopping = threading.Event()
@@ -151,7 +153,7 @@ class Load:
                 if self.stopping.is_set():
                     return
                 prompt = "The quick brown fox jumps over the lazy dog. " * (1 + (index + count) % 4) + str(count)
-                body = {"model": "tiny", "prompt": prompt, "max_tokens": self.max_tokens, "ignore_eos": True}
+                body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "ignore_eos": True}
                 response = client.post("/v1/completions", json=body)
                 if response.status_code != 200:
                     self.errors.append(response.text)

@@ -8,12 +8,16 @@ import base64
 import json
 import signal
 import time
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
+from minivllm.engine.kv_cache_manager import BLOCK_CACHED, BLOCK_FREE, BLOCK_IN_USE
+from minivllm.entrypoints.openai.dashboard import MAX_MAP_CELLS, _block_map, _latency
 from tests import browser
 from tests.server_utils import Load, RemoteServer
 
@@ -30,6 +34,32 @@ COUNTERS = [(("tokens", "prompt"), "vllm:prompt_tokens_total"),
             (("prefix_cache", "queries"), "vllm:prefix_cache_queries_total"),
             (("prefix_cache", "hits"), "vllm:prefix_cache_hits_total"),
             (("num_preemptions",), "vllm:num_preemptions_total")]
+
+
+def test_a_big_cache_is_drawn_a_few_blocks_a_cell() -> None:
+    states = np.full(70_001, BLOCK_FREE, np.uint8)  # 3 blocks a cell; the last cell holds 2
+    states[:30_000] = BLOCK_IN_USE
+    states[30_000:60_000:3] = BLOCK_CACHED  # one of each cell's 3: the cells stay free
+    states[60_000:60_003] = [BLOCK_CACHED, BLOCK_CACHED, BLOCK_IN_USE]
+    states[-1] = BLOCK_CACHED
+    cells, blocks_per_cell = _block_map(states)
+    assert blocks_per_cell == 3 and len(cells) == 23_334 <= MAX_MAP_CELLS
+    assert set(cells[:10_000]) == {BLOCK_IN_USE} and set(cells[10_000:20_000]) == {BLOCK_FREE}
+    assert cells[20_000] == BLOCK_CACHED and cells[-1] == BLOCK_FREE  # a tie (1 free, 1 cached): the first state
+    assert _block_map(states[:1000]) == (states[:1000].tobytes(), 1)
+
+
+def test_latency_percentiles_of_the_last_minutes() -> None:
+    now = 10_000.0
+    recent = deque([(now - 400, 9.0)]  # too old: left out
+                   + [(now - 295 + i / 100, 0.001 * i) for i in range(100)]  # the first bucket
+                   + [(now - 5, 2.0), (now - 1, 4.0)])  # the last
+    latency = _latency(recent, now)
+    assert latency["count"] == 102
+    (start, *first, count), (last_start, *last, last_count) = latency["buckets"]
+    assert (start, count, last_start, last_count) == (now - 300, 100, now - 10, 2)
+    assert first == pytest.approx([0.0495, 0.0891, 0.09801]) and last == pytest.approx([3.0, 3.8, 3.98])
+    assert _latency(deque(), now) == {"count": 0, "all": None, "buckets": []}
 
 
 @pytest.fixture(scope="module")
