@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import math
 import secrets
@@ -52,7 +53,7 @@ class DashboardFeed:
     def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.replicas: list[AsyncLLM] = engine.replicas if isinstance(engine, DataParallelAsyncLLM) else [engine]
         self.model_name = model_name
-        self.closed = False  # the server drains: event streams end
+        self.closed = asyncio.Event()  # the server drains: event streams end
         self._latest: asyncio.Future[dict[str, Any]] | None = None
         self._taken_at = 0.0
         # Per replica: (monotonic time, prompt tokens, generation tokens, prefix queries, prefix hits).
@@ -69,15 +70,16 @@ class DashboardFeed:
     async def events(self) -> AsyncIterator[str]:
         """A snapshot a second as server-sent events, until the server drains."""
         sent = None
-        while not self.closed:
+        while not self.closed.is_set():
             snapshot = await self.snapshot()
             if snapshot is not sent:
                 yield f"data: {json.dumps(snapshot)}\n\n"
                 sent = snapshot
-            await asyncio.sleep(max(self._taken_at + INTERVAL_S - time.monotonic(), 0.01))  # till the next is due
+            with contextlib.suppress(asyncio.TimeoutError):  # till the next is due, or the server drains
+                await asyncio.wait_for(self.closed.wait(), max(self._taken_at + INTERVAL_S - time.monotonic(), 0.01))
 
     def close(self) -> None:
-        self.closed = True
+        self.closed.set()
 
     async def _take(self) -> dict[str, Any]:
         replicas = await asyncio.gather(*(self._replica(rank) for rank in range(len(self.replicas))))
