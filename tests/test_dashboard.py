@@ -177,9 +177,16 @@ def test_the_page_in_a_browser(server: RemoteServer) -> None:
     if reason := browser.missing():
         pytest.skip(reason)
     with Load(server.url, concurrency=3 * MAX_NUM_SEQS, api_key=KEY), browser.Chromium() as chromium:
+        # The key typed into the page that asks for it, kept in a cookie the event stream sends.
+        chromium.open(f"{server.url}/dashboard")
+        chromium.run(f"document.getElementById('key').value = '{KEY}'; "
+                     "document.getElementById('key-form').requestSubmit();")
+        chromium.wait_for("return Number(document.body.dataset.updates) >= 1")
+        chromium.run("document.cookie = 'minivllm_api_key=; max-age=0; path=/dashboard';")
+        # The key in the address: moved into the cookie, and out of the address.
         chromium.open(f"{server.url}/dashboard?key={KEY}")
         chromium.wait_for("return Number(document.body.dataset.updates) >= 2")
-        assert chromium.run("return location.search") == ""  # the key moved into a cookie
+        assert chromium.run("return [location.search, document.cookie]") == ["", f"minivllm_api_key={KEY}"]
         before = server.metrics()
         updates = chromium.run("return Number(document.body.dataset.updates)")
         # The second event after the scrape: built after it (the first may have been on its way).
