@@ -4,6 +4,7 @@ server (any ASGI app) in a thread for the benchmark client's tests."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import signal
@@ -129,6 +130,44 @@ class RemoteServer:
                 self.process.wait()
         self.log.close()
         return self.process.returncode
+
+
+class Load:
+    """`concurrency` clients sending completion requests to a server, each the next as soon as
+    its last one is answered, until the block ends: prompts of a few lengths, sharing a
+    prefix (prefix-cache hits), each max_tokens tokens long (no EOS)."""
+
+    def __init__(self, url: str, concurrency: int, max_tokens: int = 48, api_key: str | None = None,
+                 model: str = "tiny") -> None:
+        self.url = url
+        self.model = model
+        self.max_tokens = max_tokens
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.stopping = threading.Event()
+        self.errors: list[str] = []
+        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(concurrency)]
+
+    def _client(self, index: int) -> None:
+        with httpx.Client(base_url=self.url, headers=self.headers, timeout=120) as client:
+            for count in itertools.count():
+                if self.stopping.is_set():
+                    return
+                prompt = "The quick brown fox jumps over the lazy dog. " * (1 + (index + count) % 4) + str(count)
+                body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "ignore_eos": True}
+                response = client.post("/v1/completions", json=body)
+                if response.status_code != 200:
+                    self.errors.append(response.text)
+
+    def __enter__(self) -> Load:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join()
+        assert not self.errors, self.errors[:3]
 
 
 def descendants(pid: int) -> set[int]:

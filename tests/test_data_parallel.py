@@ -106,6 +106,9 @@ def test_a_burst_is_answered_in_full_by_both_engines(server: RemoteServer) -> No
     generated = engine_samples(server, "vllm:generation_tokens_total")
     assert set(generated) == {"0", "1"} and all(tokens > 0 for tokens in generated.values())
     assert httpx.get(f"{server.url}/health").json() == {"data_parallel_size": 2, "engines_down": []}
+    replicas = httpx.get(f"{server.url}/dashboard/snapshot", timeout=30).json()["replicas"]  # each its own
+    assert [(replica["engine"], replica["up"]) for replica in replicas] == [(0, True), (1, True)]
+    assert {str(r["engine"]): r["tokens"]["generation"] for r in replicas} == generated
 
 
 def test_the_router_keeps_a_prefix_on_its_replica_while_load_allows() -> None:
@@ -174,6 +177,8 @@ def test_a_dead_engine_ends_its_requests_and_the_other_serves_on(model_dir: str)
         assert results.count("ended") == 4, results  # the dead engine's half
         health = httpx.get(f"{server.url}/health")
         assert health.status_code == 200 and len(health.json()["engines_down"]) == 1
+        replicas = httpx.get(f"{server.url}/dashboard/snapshot", timeout=30).json()["replicas"]
+        assert sorted(replica["up"] for replica in replicas) == [False, True]
 
         async def ask_more() -> list[str]:
             return await asyncio.gather(*(ask(4) for _ in range(6)))

@@ -3,7 +3,13 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm.engine.kv_cache_manager import KVCacheManager, chain_block_hashes
+from minivllm.engine.kv_cache_manager import (
+    BLOCK_CACHED,
+    BLOCK_FREE,
+    BLOCK_IN_USE,
+    KVCacheManager,
+    chain_block_hashes,
+)
 from minivllm.engine.sequence import Sequence
 from minivllm.sampling_params import SamplingParams
 
@@ -26,6 +32,10 @@ def check_invariants(kv: KVCacheManager, live: list[Sequence]) -> None:
         assert (block_id in kv.free_queue) == (kv.ref_counts[block_id] == 0)
     for block_hash, block_id in kv.cached_blocks.items():
         assert kv.block_hashes[block_id] == block_hash
+    # The dashboard's map: held, else free with a reusable prefix, else free.
+    assert list(kv.block_states()) == [
+        BLOCK_IN_USE if block_id in used else BLOCK_CACHED if block_id in kv.cached_blocks.values() else BLOCK_FREE
+        for block_id in range(kv.num_blocks)]
 
 
 def admit(kv: KVCacheManager, seq: Sequence) -> bool:

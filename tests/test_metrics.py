@@ -46,6 +46,10 @@ def test_outputs_feed_the_histograms_and_counters() -> None:
     assert sample('vllm:num_requests_running{engine="0",model_name="tiny"}') == 3
     assert sample('vllm:prefix_cache_hits_total{engine="0",model_name="tiny"}') == 4
     assert sample('vllm:num_preemptions_total{engine="0",model_name="tiny"}') == 2
+    # The dashboard's recent latencies: TTFT at the first output, TPOT (after the first of its
+    # 4 tokens) at the finish.
+    assert list(metrics.recent_ttft) == [(101.0, pytest.approx(1.0))]
+    assert list(metrics.recent_tpot) == [(102.0, pytest.approx(1.0 / 3))]
 
 
 @pytest.mark.parametrize("device, cache_name", [("cuda", "GPU"), ("cpu", "CPU")])

@@ -621,10 +621,13 @@ def test_tokenizer_info_is_off_by_default(server: RemoteServer) -> None:
 def test_tokenizer_info(model_dir: str) -> None:
     """With the flag, what lm-eval's remote tokenizer reads: the special tokens and the chat
     template as transformers loads them from the same directory, and eos_token_id as lm-eval
-    finds it (by /tokenize)."""
+    finds it (by /tokenize). (This server, started for it, also shows that --disable-dashboard
+    leaves no /dashboard.)"""
     hf = AutoTokenizer.from_pretrained(model_dir)
-    server = RemoteServer(model_dir, "--enable-tokenizer-info-endpoint")
+    server = RemoteServer(model_dir, "--enable-tokenizer-info-endpoint", "--disable-dashboard")
     try:
+        for path in ("/dashboard", "/dashboard/events", "/dashboard/snapshot"):
+            openai_error(httpx.get(server.url + path), 404)
         response = httpx.get(f"{server.url}/tokenizer_info")
         assert response.status_code == 200, response.text
         info = response.json()

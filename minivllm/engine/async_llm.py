@@ -10,8 +10,8 @@ callback per step. Outputs are deltas: each carries only the
 tokens and text that are new since the previous one.
 
 Messages, front to core: ("add", request_id, prompt_text, prompt_token_ids, params,
-arrival_time), ("abort", request_id), None (stop). Core to front: ("ready", stats),
-("step", outputs, stats), ("dead", error), ("stopped", None).
+arrival_time), ("abort", request_id), ("snapshot",), None (stop). Core to front: ("ready", stats),
+("step", outputs, stats), ("snapshot", EngineSnapshot, stats), ("dead", error), ("stopped", None).
 """
 
 import asyncio
@@ -35,7 +35,7 @@ from transformers import PreTrainedTokenizerBase
 from minivllm.config import EngineConfig, cpu_threads
 from minivllm.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.metrics import EngineStats, ServingMetrics
+from minivllm.engine.metrics import EngineSnapshot, EngineStats, ServingMetrics
 from minivllm.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
 from minivllm.sampling_params import SamplingParams
 
@@ -165,6 +165,7 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats: EngineStats = {}
         self._closed_error: Callable[[], BaseException] | None = None  # see close()
+        self._snapshot: asyncio.Future[EngineSnapshot] | None = None  # the one asked of the core
         self._stopping = False
         self._request_counter = 0
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="minivllm-tokenize")
@@ -302,6 +303,21 @@ class AsyncLLM:
         self._streams.clear()
         return ended
 
+    async def snapshot(self) -> EngineSnapshot:
+        """The core's EngineSnapshot, taken between two steps: one round trip, shared by
+        whoever asks while it is under way. Raises EngineDeadError once the engine has stopped."""
+        if not self.is_running:
+            raise EngineDeadError("The engine has stopped.") from self.dead_error
+        if self._snapshot is None or self._snapshot.done():
+            self._loop = asyncio.get_running_loop()  # where the answer goes
+            self._snapshot = self._loop.create_future()
+            self._outbox.put(("snapshot",))
+        return await asyncio.shield(self._snapshot)
+
+    def _answer_snapshot(self, snapshot: EngineSnapshot) -> None:
+        if self._snapshot is not None and not self._snapshot.done():
+            self._snapshot.set_result(snapshot)
+
     def engine_stats(self) -> EngineStats:
         """The engine's counters as of its latest step (or the latest change after one)."""
         return self._stats
@@ -339,6 +355,8 @@ class AsyncLLM:
             dead.__cause__ = error
             stream.fail(dead)
         self._streams.clear()
+        if self._snapshot is not None and not self._snapshot.done():
+            self._snapshot.set_exception(EngineDeadError("The engine stopped."))
 
     # --- the command and results threads ---------------------------------------------------
 
@@ -380,7 +398,7 @@ class AsyncLLM:
                 self._stats = stats[0]
                 loop = self._loop
                 if payload and loop is not None and not loop.is_closed():
-                    loop.call_soon_threadsafe(self._dispatch, payload)
+                    loop.call_soon_threadsafe(self._answer_snapshot if kind == "snapshot" else self._dispatch, payload)
             if self._log_stats_interval_s and time.monotonic() >= next_log:
                 self.metrics.log_stats()
                 next_log = time.monotonic() + self._log_stats_interval_s
@@ -418,7 +436,7 @@ def _engine_core(config: EngineConfig, commands: Connection, results: Connection
                 if parent is not None and not parent.is_alive():
                     break
                 continue
-            if not _apply_commands(engine, commands):
+            if not _apply_commands(engine, commands, results):
                 break
             outputs = []
             if engine.has_unfinished_requests() or engine.has_steps_in_flight:
@@ -449,8 +467,8 @@ def to_wire(output: RequestOutput) -> WireOutput:
             output.num_cached_tokens, output.prompt_logprobs)
 
 
-def _apply_commands(engine: LLMEngine, commands: Connection) -> bool:
-    """Apply every queued add and abort; False once asked to stop."""
+def _apply_commands(engine: LLMEngine, commands: Connection, results: Connection) -> bool:
+    """Apply every queued add and abort, answer a snapshot request; False once asked to stop."""
     while commands.poll():
         command = commands.recv()
         if command is None:
@@ -459,8 +477,11 @@ def _apply_commands(engine: LLMEngine, commands: Connection) -> bool:
             _, request_id, prompt_text, prompt_token_ids, params, arrival_time = command
             engine.add(engine.build_request(request_id, prompt_text, prompt_token_ids, params, stream=True,
                                             arrival_time=arrival_time))
-        else:
+        elif command[0] == "abort":
             engine.abort_request(command[1])
+        else:
+            snapshot = engine.snapshot()
+            results.send(("snapshot", snapshot, snapshot.stats))
     return True
 
 

@@ -12,6 +12,7 @@ from minivllm.engine.detokenizer import IncrementalDetokenizer, detokenize
 from minivllm.engine.grammar_spec import GrammarSpec
 from minivllm.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from minivllm.engine.kv_cache_manager import KVCacheManager
+from minivllm.engine.metrics import MAX_LISTED_REQUESTS, EngineSnapshot, RequestRow
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.structured_outputs import StructuredOutputManager
@@ -230,6 +231,23 @@ class LLMEngine:
                 "num_blocks": kv.num_blocks, "num_running": len(self.scheduler.running),
                 # Sequences whose grammar is compiling wait too (vLLM counts them as waiting).
                 "num_waiting": len(self.scheduler.waiting) + self.structured_outputs.num_compiling_seqs}
+
+    def snapshot(self) -> EngineSnapshot:
+        """The dashboard's view of the engine: every KV block's state, the preempted count, and
+        the oldest unfinished requests."""
+        rows: list[RequestRow] = []
+        for request in itertools.islice(self.requests.values(), MAX_LISTED_REQUESTS):
+            seqs = request.seqs
+            if any(seq.status == SequenceStatus.RUNNING for seq in seqs):
+                state = "running"
+            elif any(seq.is_preempted for seq in seqs):
+                state = "preempted"
+            else:
+                state = "waiting"
+            rows.append((request.request_id, state, len(request.prompt_token_ids),
+                         sum(seq.num_output_tokens for seq in seqs), request.metrics.arrival_time))
+        return EngineSnapshot(self.stats(), self.kv_cache_manager.block_states(), self.config.block_size,
+                              sum(seq.is_preempted for seq in self.scheduler.waiting), len(self.requests), rows)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache; False (and nothing forgotten) while requests hold blocks."""

@@ -13,6 +13,7 @@ import itertools
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,6 +30,25 @@ if TYPE_CHECKING:
 logger = logging.getLogger("minivllm.stats")
 
 EngineStats = dict[str, int]
+# A request as the dashboard lists it: (request_id, state ("waiting", "running" or "preempted"),
+# prompt tokens, generated tokens (all samples'), arrival time (time.time())).
+RequestRow = tuple[str, str, int, int, float]
+
+
+@dataclass(slots=True)
+class EngineSnapshot:
+    """What the engine core sends the dashboard, when asked (at most once a second, while one
+    is open): built from the state it keeps anyway."""
+
+    stats: EngineStats  # LLMEngine.stats, of the same moment
+    block_states: bytes  # KVCacheManager.block_states
+    block_size: int
+    num_preempted: int  # waiting sequences that were preempted
+    num_requests: int  # unfinished
+    requests: list[RequestRow]  # the oldest unfinished ones, at most MAX_LISTED_REQUESTS
+
+
+MAX_LISTED_REQUESTS = 100
 
 # Every metric's labels, as vLLM's: the served model's name and the engine's data-parallel rank.
 _LABELS = ["model_name", "engine"]
@@ -41,6 +61,9 @@ _ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 
+# Latencies kept for the dashboard's plots (one a request, of the last minutes).
+RECENT_LATENCIES = 20_000
+
 
 @dataclass(slots=True)
 class _Request:
@@ -48,7 +71,9 @@ class _Request:
 
     arrival_time: float
     num_prompt_tokens: int
+    first_output_time: float = 0.0  # set with the first output
     last_output_time: float | None = None  # None before its first output
+    num_generation_tokens: int = 0
 
 
 class ServingMetrics:
@@ -76,6 +101,10 @@ class ServingMetrics:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self._requests: dict[str, _Request] = {}  # unfinished ones
+        # (when, seconds) of recent requests: time to first token, and time per output token
+        # after the first (vLLM's TPOT), for the dashboard.
+        self.recent_ttft: deque[tuple[float, float]] = deque(maxlen=RECENT_LATENCIES)
+        self.recent_tpot: deque[tuple[float, float]] = deque(maxlen=RECENT_LATENCIES)
         self._last_log: tuple[float, int, int, int, int] | None = None
         self.registry.register(_EngineCollector(self))
 
@@ -94,8 +123,11 @@ class ServingMetrics:
             request = requests.get(request_id)
             if request is None:
                 continue
+            request_tokens = 0
             for _, _, token_ids, _, _, _, _ in completions:  # CompletionOutput's fields
-                num_tokens += len(token_ids)
+                request_tokens += len(token_ids)
+            num_tokens += request_tokens
+            request.num_generation_tokens += request_tokens
             if request.last_output_time is None:
                 self._first_output(request, times[0], now)  # times[0]: when it was first scheduled
             else:
@@ -104,13 +136,18 @@ class ServingMetrics:
             if finished:
                 del requests[request_id]
                 self.e2e.observe(now - request.arrival_time)
+                if request.num_generation_tokens > 1:
+                    self.recent_tpot.append(
+                        (now, (now - request.first_output_time) / (request.num_generation_tokens - 1)))
                 _, _, _, _, _, finish_reason, _ = completions[0]  # vLLM counts the first sample's
                 self.request_success.labels(*self.label_values, finish_reason).inc()
         self.itl.observe_many(inter_token_latencies)
         self.num_generation_tokens += num_tokens
 
     def _first_output(self, request: _Request, first_scheduled_time: float | None, now: float) -> None:
+        request.first_output_time = now
         self.ttft.observe(now - request.arrival_time)
+        self.recent_ttft.append((now, now - request.arrival_time))
         if first_scheduled_time is not None:
             self.queue_time.observe(first_scheduled_time - request.arrival_time)
         self.num_prompt_tokens += request.num_prompt_tokens

@@ -70,6 +70,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
+    @property
+    def is_preempted(self) -> bool:
+        """Waiting after it ran (its blocks were taken back; it is recomputed when readmitted)."""
+        return self.status == SequenceStatus.WAITING and self.runner_blocks >= 0
+
     def length_limit_reached(self, max_model_len: int, num_tokens: int) -> bool:
         """Whether a sequence of num_tokens tokens may grow no further (max_tokens or a full context)."""
         max_tokens = self.params.max_tokens

@@ -160,6 +160,8 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="seconds requests in flight have to finish after SIGTERM or SIGINT (then they end "
                              "with a 503)")
     parser.add_argument("--disable-log-stats", action="store_true", help="no periodic stats log line")
+    parser.add_argument("--disable-dashboard", action="store_true",
+                        help="no live engine page at /dashboard (a 404 there)")
     parser.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
 
 

@@ -29,6 +29,7 @@ import minivllm
 from minivllm.config import EngineConfig, StructuredOutputsConfig
 from minivllm.engine.async_llm import AsyncLLM, EngineDeadError
 from minivllm.engine.data_parallel import DataParallelAsyncLLM, EngineClient
+from minivllm.entrypoints.openai.dashboard import DashboardFeed, add_dashboard_routes
 from minivllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -53,10 +54,11 @@ _JSON_HINTS = {"surrogate": _LONE_SURROGATE, "end of hex escape": _LONE_SURROGAT
                "recursion limit": "it nests arrays and objects too deeply"}
 
 
-def build_app(serving: OpenAIServing, api_key: str | None = None,
-              enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
+def build_app(serving: OpenAIServing, api_key: str | None = None, enable_tokenizer_info_endpoint: bool = False,
+              dashboard: DashboardFeed | None = None) -> FastAPI:
     """enable_tokenizer_info_endpoint: serve GET /tokenizer_info (off by default, as in vLLM: it
-    hands out the chat template and the tokenizer's configuration)."""
+    hands out the chat template and the tokenizer's configuration); dashboard: serve the live
+    page /dashboard from this feed (None: no page, a 404)."""
     app = FastAPI(title="minivllm", version=minivllm.__version__)
     engine = serving.engine
     if isinstance(engine, DataParallelAsyncLLM):
@@ -128,6 +130,9 @@ def build_app(serving: OpenAIServing, api_key: str | None = None,
         @app.get("/tokenizer_info")
         async def tokenizer_info() -> dict[str, Any]:
             return serving.tokenizer_info()
+
+    if dashboard is not None:
+        add_dashboard_routes(app, dashboard, api_key)
 
     _add_error_handlers(app)
     if api_key:
@@ -296,15 +301,17 @@ class _APIKeyMiddleware:
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn's server with a draining shutdown on SIGINT or SIGTERM: new requests get a 503
-    at once; requests in flight have shutdown_timeout_s to finish; then the engine ends the
+    at once, dashboard event streams end; requests in flight have shutdown_timeout_s to finish; then the engine ends the
     rest with a 503 (a stream with an error event, then [DONE]); the server stops once their
     responses are out."""
 
-    def __init__(self, config: uvicorn.Config, edge: _EdgeApp, engine: EngineClient, shutdown_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, edge: _EdgeApp, engine: EngineClient, shutdown_timeout_s: float,
+                 dashboard: DashboardFeed | None) -> None:
         super().__init__(config)
         self.edge = edge
         self.engine = engine
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.dashboard = dashboard
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit:
@@ -314,6 +321,8 @@ class _DrainingServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.edge.draining = True
+        if self.dashboard is not None:
+            self.dashboard.close()  # its event streams would run until uvicorn's own limit
         ending = asyncio.create_task(self._end_requests_in_flight())
         try:
             await super().shutdown(sockets)
@@ -371,12 +380,13 @@ def run_server(args: argparse.Namespace) -> None:
         serving = OpenAIServing(engine, names, args.trust_request_chat_template,
                                 tool_parser if args.enable_auto_tool_choice else None)
         cleanup.callback(serving.close)
+        dashboard = None if args.disable_dashboard else DashboardFeed(engine, names[0])
         edge = _EdgeApp(build_app(serving, args.api_key or os.environ.get("VLLM_API_KEY"),
-                                  args.enable_tokenizer_info_endpoint))
+                                  args.enable_tokenizer_info_endpoint, dashboard))
         # uvicorn's own limit, past ours: time for the ended requests' last events to go out.
         server_config = uvicorn.Config(edge, log_level="info", access_log=not args.disable_uvicorn_access_log,
                                        timeout_graceful_shutdown=args.shutdown_timeout + 5)
-        server = _DrainingServer(server_config, edge, engine, args.shutdown_timeout)
+        server = _DrainingServer(server_config, edge, engine, args.shutdown_timeout, dashboard)
         # uvicorn re-raises the signal that stopped it once it is done; these handlers take it,
         # so the process goes on to stop the engine and exits with status 0.
         for sig in (signal.SIGINT, signal.SIGTERM):
