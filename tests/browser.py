@@ -24,7 +24,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 def missing() -> str | None:
     """Why the browser cannot run here (None: it can)."""
     if shutil.which("chromium") is None or shutil.which(CHROMEDRIVER) is None:
-        return "no chromium/chromedriver: apt-get install chromium chromium-driver (scripts/setup.sh does)"
+        return "no chromium/chromedriver: apt-get install chromium chromium-driver (scripts/test.sh does)"
     return None
 
 
