@@ -396,36 +396,41 @@ def step_kind(num_seqs: int, num_tokens: int) -> str:
 
 
 def record_step_kinds(llm: Any) -> Callable[[], dict[str, dict[str, float]]]:
-    """Wrap the runner's launch to time each interval between launches by the kind of the
-    step launched at its start, and (on CUDA) the device time of each step's queued work,
-    between events recorded around its launch: where an interval exceeds its step's
-    device time, the device waited for the host (an eager step's device time includes
-    its waits for the host's launches). The returned function gives the totals, and the
-    seconds outside every interval ("outside steps": from this call to the first launch, and
-    from the last launch to the returned function's call: the request intake before the first
-    step, the last step and the outputs after it), and puts the runner's own launch back."""
+    """Wrap the runner's launches to time each interval between forward-pass launches by the
+    kind of the step launched at its start, and (on CUDA) the device time of each step's queued
+    work, between events recorded before its forward pass and after its sampling are queued:
+    where an interval exceeds its step's device time, the device waited for the host (an eager
+    step's device time includes its waits for the host's launches). The returned function gives
+    the totals, and the seconds outside every interval ("outside steps": from this call to the
+    first launch, and from the last launch to the returned function's call: the request intake
+    before the first step, the last step and the outputs after it), and puts the runner's own
+    launches back."""
     runner = llm.llm_engine.model_runner
-    launch = runner.launch
-    launches: list[tuple[float, str, Any, Any]] = []
+    launch_forward, launch_sampling = runner.launch_forward, runner.launch_sampling
+    launches: list[list[Any]] = []  # [start, kind, begin event, end event]
     recording_since = time.perf_counter()
+    timing = torch.cuda.is_available()
 
-    def timed_launch(step: Any) -> Any:  # a SchedulerOutput; a StepHandle or None
-        if not step.seq_ids:  # nothing to run (the runner only forgets finished sequences)
-            return launch(step)
+    def timed_forward(prepared: Any) -> Any:  # a PreparedStep; a ForwardPass or None
         start = time.perf_counter()
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if torch.cuda.is_available() else None
-        if events:
-            events[0].record()
-        handle = launch(step)
-        if events:
-            events[1].record()
-        launches.append((start, step_kind(len(step.seq_ids), sum(step.num_new_tokens)),
-                         *(events or (None, None))))
+        begin = torch.cuda.Event(enable_timing=True) if timing else None
+        if begin is not None:
+            begin.record()
+        forward = launch_forward(prepared)
+        rows = prepared.rows
+        launches.append([start, step_kind(len(rows.states), rows.num_tokens), begin, None])
+        return forward
+
+    def timed_sampling(*args: Any) -> Any:  # (ForwardPass, GrammarBitmask | None); a StepHandle
+        handle = launch_sampling(*args)
+        if timing and launches:
+            launches[-1][3] = torch.cuda.Event(enable_timing=True)
+            launches[-1][3].record()
         return handle
-    runner.launch = timed_launch
+    runner.launch_forward, runner.launch_sampling = timed_forward, timed_sampling
 
     def totals() -> dict[str, dict[str, float]]:
-        del runner.launch  # the instance attribute set above: the class's method again
+        del runner.launch_forward, runner.launch_sampling  # the instance attributes set above: the class's again
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         ended = time.perf_counter()
@@ -433,7 +438,7 @@ def record_step_kinds(llm: Any) -> Callable[[], dict[str, dict[str, float]]]:
         for (start, kind, begin, end), (next_start, *_) in pairwise(launches):
             sums[kind]["steps"] += 1
             sums[kind]["seconds"] += next_start - start
-            if begin is not None:
+            if begin is not None and end is not None:  # (end: None where nothing sampled)
                 sums[kind]["gpu_seconds"] += begin.elapsed_time(end) / 1e3
         breakdown = {kind: {"steps": v["steps"], "seconds": round(v["seconds"], 3),
                             "ms_per_step": round(1e3 * v["seconds"] / v["steps"], 3),
