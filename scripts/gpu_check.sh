@@ -46,7 +46,11 @@
 #          start-up ~80-110 s each. Not part of "all". RESULTS.md's table: GPU_CHECK=w1,vllm_w1,
 #          GPU_CHECK=w1_fp8,vllm_w1_fp8 and GPU_CHECK=w2,vllm_w2w3,w3.
 #   vllm_w6  w6's W6 regimes on vLLM 0.20.1's server (staged as above, carry .vl/tools), the same
-#          client, model, tokenizer and flags; its start-up ~2 min. W6's pair: GPU_CHECK=w6,vllm_w6
+#          client, model, tokenizer and flags; its start-up ~2 min. W6's pair: GPU_CHECK=w6,vllm_w6.
+#          vLLM checks every structured request by importing each of its backends, so .vl/tools/srv
+#          needs their packages besides xgrammar's (cp312 wheels: `pip download --no-deps
+#          --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 --platform any
+#          lm-format-enforcer==0.11.3 interegular outlines_core==0.2.14 diskcache==5.6.3 -d .vl/tools/srv`)
 #
 # Environment: OUT (logs; default /tmp/gpu_check), BENCH_ARGS (extra arguments for every
 # benchmark, e.g. "--enforce-eager"), STEP_TIMEOUT (seconds per step, default 480),
