@@ -29,10 +29,11 @@ from minivllm.sampling_params import SamplingParams
 
 def replica_cuda_devices(config: EngineConfig, data_parallel_size: int) -> list[str | None]:
     """The CUDA_VISIBLE_DEVICES of each replica: replica i takes the visible GPUs
-    i*tp .. i*tp+tp-1 (None for each on CPU). Raises ValueError when there are too few."""
+    i*tp .. i*tp+tp-1 (None for each on CPU, and with Ray, which gives each actor its GPU).
+    Raises ValueError when there are too few."""
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}.")
-    if config.device != "cuda":
+    if config.device != "cuda" or config.distributed_executor_backend == "ray":
         return [None] * data_parallel_size
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
