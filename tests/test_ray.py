@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -21,6 +22,7 @@ from minivllm import SamplingParams
 from minivllm.config import EngineConfig
 from minivllm.engine.async_llm import AsyncLLM, EngineDeadError
 from minivllm.engine.data_parallel import DataParallelAsyncLLM
+from minivllm.entrypoints.cli import main
 from minivllm.entrypoints.openai.api_server import build_app
 from minivllm.entrypoints.openai.serving import OpenAIServing
 from tests.test_generate_hf import BLOCK_SIZE, expected, make_llm, mixed_prompts, run, vocab
@@ -62,10 +64,14 @@ def nodes_of(engine: AsyncLLM) -> list[str]:
     return [bundles[index] for index in sorted(bundles)]
 
 
-def test_too_few_cpus_for_the_ranks_is_a_clear_error(cluster: Cluster, model_dir: str) -> None:
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 x data_parallel_size=2 needs 4 CPUs in the Ray "
-                                         r"cluster, but it has 2 \(2 nodes with \[1, 1\]\)"):
-        DataParallelAsyncLLM(ray_config(model_dir, tensor_parallel_size=2), 2, log_stats_interval_s=None)
+def test_too_few_cpus_for_the_ranks_is_a_clear_error(cluster: Cluster, model_dir: str,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", model_dir, "--host", "127.0.0.1", "--port", "0", "-tp", "2", "-dp", "2",
+              "--distributed-executor-backend", "ray"])
+    assert exit_info.value.code == 2
+    assert ("tensor_parallel_size=2 x data_parallel_size=2 needs 4 CPUs in the Ray cluster, but it has 2 "
+            "(2 nodes with [1, 1])") in capsys.readouterr().err
 
 
 def test_tp2_across_two_nodes_matches_tp1_and_hf(cluster: Cluster, model_dir: str) -> None:
@@ -92,6 +98,25 @@ def test_tp2_across_two_nodes_matches_tp1_and_hf(cluster: Cluster, model_dir: st
     finally:
         engine.shutdown()
     assert outputs == tp1_outputs == want
+
+
+def test_offline_llm_ranks_and_replicas_are_actors(cluster: Cluster, model_dir: str) -> None:
+    """LLM(...): its own tensor-parallel ranks after this process's, and its other replicas."""
+    prompts = mixed_prompts(vocab(model_dir), seed=3)
+    tp1 = make_llm(model_dir)
+    want = run(tp1, prompts)
+    tp1.shutdown()
+    for sizes in ({"tensor_parallel_size": 2}, {"data_parallel_size": 2}):
+        llm = make_llm(model_dir, distributed_executor_backend="ray", **sizes)
+        try:
+            assert run(llm, prompts) == want, sizes
+            assert ray.available_resources().get("CPU", 0) == (0 if "tensor_parallel_size" in sizes else 1)
+        finally:
+            llm.shutdown()
+    deadline = time.monotonic() + 10  # Ray frees a removed placement group's bundles soon after
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU", 0) == 2  # every bundle given back
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
-"""An engine core as a Ray actor (distributed_executor_backend="ray"): AsyncLLM's core on any
-node of a Ray cluster, in bundle 0 of its replica's placement group (executor/ray_utils.py).
+"""Engines as Ray actors (distributed_executor_backend="ray"), each in bundle 0 of its
+replica's placement group (executor/ray_utils.py), on any node of the Ray cluster: AsyncLLM's
+engine core (RayEngineCore), and an offline LLM's data-parallel replicas (RayReplica).
 
-The actor runs async_llm.run_engine_core, the same loop as a core process, on one of its
+The core actor runs async_llm.run_engine_core, the same loop as a core process, on one of its
 threads, over in-actor queues; the front puts commands and takes results through actor calls
 on the others (the actor is threaded: a call waits for results while the loop runs).
 """
@@ -22,6 +23,7 @@ from minivllm.executor.ray_utils import actor_options, initialize_ray_cluster, r
 _RECEIVE_S = 1.0
 # How long a core that stopped answering has to tell why.
 _EXIT_WAIT_S = 5.0
+_STOP_TIMEOUT_S = 30.0
 
 
 class QueueConnection:
@@ -123,3 +125,47 @@ class RayEngineCore:
         except RayError as error:
             return RuntimeError(f"The engine actor died: {error}")
         return RuntimeError("The engine actor ended without a word.")
+
+
+class _LLMHost:
+    """An offline LLM in an actor, running the LLM methods it is called with."""
+
+    def start(self, model: str, kwargs: dict[str, Any]) -> None:
+        from minivllm.llm import LLM  # the actor's process imports it, not the module's importers
+
+        self.llm = LLM(model, **kwargs)
+
+    def call(self, method: str, args: tuple[Any, ...]) -> Any:
+        return getattr(self.llm, method)(*args)
+
+    def stop(self) -> None:
+        self.llm.shutdown()
+
+
+_LLMHostClass: Any = ray.remote(_LLMHost)
+
+
+class RayReplica:
+    """An offline LLM's data-parallel replica as a Ray actor: llm.py's _Replica (a process of
+    this host) over Ray. Each call's result (or what it raised) comes from result()."""
+
+    def __init__(self, model: str, kwargs: dict[str, Any], config: EngineConfig, data_parallel_size: int) -> None:
+        initialize_ray_cluster(config, data_parallel_size)
+        self.placement_group = replica_placement_group(config)
+        self.actor = _LLMHostClass.options(**actor_options(config, self.placement_group, 0)).remote()
+        self._latest = self.actor.start.remote(model, kwargs)
+
+    def send(self, method: str, *args: Any) -> None:
+        self._latest = self.actor.call.remote(method, args)
+
+    def result(self) -> Any:
+        """What the latest call returned; raises what it raised (an instance of its class)."""
+        return ray.get(self._latest)
+
+    def stop(self) -> None:
+        try:
+            ray.get(self.actor.stop.remote(), timeout=_STOP_TIMEOUT_S)
+        except RayError:  # GetTimeoutError too: dead, or stuck; killed below
+            pass
+        ray.kill(self.actor)
+        remove_placement_group(self.placement_group)

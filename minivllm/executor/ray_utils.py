@@ -9,6 +9,7 @@ node IP, so a tensor-parallel group may span nodes: NCCL between GPUs, gloo on C
 """
 
 import logging
+import os
 from typing import Any
 
 import ray
@@ -52,11 +53,14 @@ def initialize_ray_cluster(config: EngineConfig, data_parallel_size: int) -> Non
                          "each) or lower the sizes.")
 
 
-def replica_placement_group(config: EngineConfig) -> PlacementGroup:
-    """A placement group for one replica's ranks, once Ray has reserved it. Raises ValueError
-    if it is not ready within PLACEMENT_GROUP_TIMEOUT_S, saying what it needs and what is free."""
+def replica_placement_group(config: EngineConfig, first_bundle_here: bool = False) -> PlacementGroup:
+    """A placement group for one replica's ranks, once Ray has reserved it; first_bundle_here:
+    its bundle 0 on this node (for rank 0 in this process). Raises ValueError if it is not ready
+    within PLACEMENT_GROUP_TIMEOUT_S, saying what it needs and what is free."""
     resource = _resource(config)
     bundles: list[dict[str, float]] = [{resource: 1.0} for _ in range(config.tensor_parallel_size)]
+    if first_bundle_here:  # each node has 1 of its own `node:IP` resource
+        bundles[0][f"node:{ray.util.get_node_ip_address()}"] = 0.001
     group = placement_group(bundles, strategy="PACK")
     ready = group.ready()
     waited = 0.0
@@ -87,6 +91,10 @@ class _Rank:
     def __init__(self) -> None:
         self.runner: ModelRunner | None = None
 
+    def gpu_ids(self) -> list[int]:
+        """The GPU Ray gave this actor (none on CPU), as numbered on its node."""
+        return [int(gpu_id) for gpu_id in ray.get_gpu_ids()]
+
     def start(self, config: EngineConfig, rank: int, init_method: str) -> None:
         # Ray shows an actor only its own GPU, so it is device 0.
         self.runner = start_rank(config, rank, init_method, 0)
@@ -105,26 +113,34 @@ _RankActor: Any = ray.remote(_Rank)  # Any: ray's types do not follow a class's 
 
 
 class RayWorkers:
-    """Rank 0's handle on ranks 1..N-1 as Ray actors in the bundles after its own, in the
-    placement group of the actor rank 0 runs in (executor/worker.py's Workers is the same on
-    one host, as processes)."""
+    """Rank 0's handle on ranks 1..N-1 as Ray actors in the bundles after its own
+    (executor/worker.py's Workers is the same on one host, as processes). Rank 0 is an actor of
+    a replica's placement group (a served engine core), or this process (an offline LLM): then
+    the group is its own, with bundle 0 on this node, held by an actor that keeps its GPU from
+    others and tells rank 0 which it is."""
 
     def __init__(self, config: EngineConfig) -> None:
         if dist.is_initialized():
             raise ValueError("A tensor-parallel engine is already running in this process: "
                              "shut it down before starting another.")
+        self.actors: list[Any] = []
+        self._own_group: PlacementGroup | None = None
         group = ray.util.get_current_placement_group()
+        cuda_device = 0  # Ray shows an actor only its own GPU
         if group is None:
-            raise ValueError("distributed_executor_backend='ray' runs a tensor-parallel engine in a Ray actor of "
-                             "its placement group: serve it (`minivllm serve --distributed-executor-backend ray`) "
-                             "or use AsyncLLM.")
+            initialize_ray_cluster(config, 1)
+            group = self._own_group = replica_placement_group(config, first_bundle_here=True)
+            self.actors.append(_RankActor.options(**actor_options(config, group, 0)).remote())
+            if config.device == "cuda":
+                cuda_device = _local_cuda_index(ray.get(self.actors[0].gpu_ids.remote())[0])
         size = config.tensor_parallel_size
         init_method = distributed.free_init_method(ray.util.get_node_ip_address())
-        self.actors = [_RankActor.options(**actor_options(config, group, rank)).remote() for rank in range(1, size)]
+        self.workers = [_RankActor.options(**actor_options(config, group, rank)).remote() for rank in range(1, size)]
+        self.actors += self.workers
         # Each rank's latest calls not yet seen done: a failed one raises at the next call.
-        self._pending = [actor.start.remote(config, rank, init_method) for rank, actor in enumerate(self.actors, 1)]
+        self._pending = [actor.start.remote(config, rank, init_method) for rank, actor in enumerate(self.workers, 1)]
         try:
-            distributed.init_distributed(0, size, init_method, config.device, 0)
+            distributed.init_distributed(0, size, init_method, config.device, cuda_device)
         except BaseException:
             self.shutdown()
             raise
@@ -137,7 +153,7 @@ class RayWorkers:
         done, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
         ray.get(done)
         step = ray.put(args)  # serialized once for all the workers
-        self._pending += [actor.execute.remote(method, step) for actor in self.actors]
+        self._pending += [actor.execute.remote(method, step) for actor in self.workers]
 
     def shutdown(self) -> None:
         """Stop the workers cleanly (or, if they don't stop in time, kill them) and leave the
@@ -145,10 +161,18 @@ class RayWorkers:
         if not self.actors:
             return
         try:
-            ray.get([actor.stop.remote() for actor in self.actors], timeout=_STOP_TIMEOUT_S)
+            ray.get([actor.stop.remote() for actor in self.workers], timeout=_STOP_TIMEOUT_S)
         except ray.exceptions.RayError:  # GetTimeoutError too
             pass  # a dead or stuck worker: killed below
         for actor in self.actors:
             ray.kill(actor)
-        self.actors = []
+        self.actors = self.workers = []
+        if self._own_group is not None:
+            remove_placement_group(self._own_group)
         distributed.destroy_distributed()
+
+
+def _local_cuda_index(gpu_id: int) -> int:
+    """This process's index of the node's GPU gpu_id (its CUDA_VISIBLE_DEVICES may renumber)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",").index(str(gpu_id)) if visible else gpu_id
