@@ -194,9 +194,10 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, model_name: str | None = None,
                  log_stats_interval_s: float | None = 10.0, data_parallel_rank: int = 0,
                  data_parallel_size: int = 1, cuda_visible_devices: str | None = None) -> None:
-        """Start the engine core process; returns once it is ready, or raises what stopped
-        it. model_name labels the metrics (default: the model path); log_stats_interval_s:
-        seconds between the periodic stats log lines (None: no log). As one of
+        """Start the engine core (a process; with distributed_executor_backend="ray", a Ray
+        actor); returns once it is ready, or raises what stopped it. model_name labels the
+        metrics (default: the model path); log_stats_interval_s: seconds between the periodic
+        stats log lines (None: no log). As one of
         data_parallel_size replicas (engine/data_parallel.py): data_parallel_rank labels its
         metrics, its core takes its share of the CPU cores, and cuda_visible_devices its GPUs."""
         self.config = config

@@ -10,6 +10,7 @@ node IP, so a tensor-parallel group may span nodes: NCCL between GPUs, gloo on C
 
 import logging
 import os
+import threading
 from typing import Any
 
 import ray
@@ -29,6 +30,8 @@ logger = logging.getLogger(__name__)
 PLACEMENT_GROUP_TIMEOUT_S = 1800.0
 _PLACEMENT_LOG_INTERVAL_S = 10.0
 _STOP_TIMEOUT_S = 10.0
+# Data-parallel replicas start on threads of their own: one of them connects.
+_connecting = threading.Lock()
 
 
 def _resource(config: EngineConfig) -> str:
@@ -40,8 +43,9 @@ def initialize_ray_cluster(config: EngineConfig, data_parallel_size: int) -> Non
     """Connect to the Ray cluster ($RAY_ADDRESS, else the one `ray start` began on this host),
     or start a local one where there is none. Raises ValueError when the cluster has fewer GPUs
     (CPUs on CPU) than the tensor_parallel_size x data_parallel_size ranks need."""
-    if not ray.is_initialized():
-        ray.init()  # no address: $RAY_ADDRESS, else this host's `ray start` cluster, else a new one
+    with _connecting:
+        if not ray.is_initialized():
+            ray.init()  # no address: $RAY_ADDRESS, else this host's `ray start` cluster, else a new one
     resource = _resource(config)
     needed = config.tensor_parallel_size * data_parallel_size
     total = int(ray.cluster_resources().get(resource, 0))
