@@ -8,7 +8,8 @@ holds the start of its first prompt (PrefixRouter), unless that replica is much 
 the least busy one; otherwise to the live replica with the fewest unfinished requests (ties to
 the lowest rank: one-at-a-time traffic stays on one replica). A replica whose core dies ends its own requests with
 EngineDeadError; the others go on serving, and the server answers /health with 200 while one
-lives. Not here: replicas on other hosts.
+lives. With distributed_executor_backend="ray" each replica's core is a Ray actor, on any host of
+the Ray cluster (engine/ray_core.py).
 """
 
 import os
@@ -100,6 +101,10 @@ class DataParallelAsyncLLM:
         """Start every replica (their models load at once); returns once all are ready, or
         stops those that started and raises what stopped one."""
         devices = replica_cuda_devices(config, data_parallel_size)
+        if config.distributed_executor_backend == "ray":
+            from minivllm.executor.ray_utils import initialize_ray_cluster  # ray: an optional extra
+
+            initialize_ray_cluster(config, data_parallel_size)  # checks the whole cluster, from this thread
         with ThreadPoolExecutor(data_parallel_size, thread_name_prefix="minivllm-dp-start") as pool:
             starting = [pool.submit(AsyncLLM, config, model_name, log_stats_interval_s, rank, data_parallel_size,
                                     devices[rank]) for rank in range(data_parallel_size)]

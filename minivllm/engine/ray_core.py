@@ -23,6 +23,8 @@ from minivllm.executor.ray_utils import actor_options, initialize_ray_cluster, r
 _RECEIVE_S = 1.0
 # How long a core that stopped answering has to tell why.
 _EXIT_WAIT_S = 5.0
+# How long a put or take call may take beyond its own wait before the core counts as gone.
+_CALL_TIMEOUT_S = 60.0
 _STOP_TIMEOUT_S = 30.0
 
 
@@ -93,16 +95,17 @@ class RayEngineCore:
 
     def send(self, commands: list[Command]) -> None:
         try:
-            ray.get(self.actor.put.remote(commands))
-        except RayError as error:
+            ray.get(self.actor.put.remote(commands), timeout=_CALL_TIMEOUT_S)
+        except RayError as error:  # GetTimeoutError too
             raise OSError(f"The engine actor is gone: {error}") from error
 
     def receive(self, timeout: float | None) -> list[CoreMessage]:
+        wait = _RECEIVE_S if timeout is None else timeout
         try:
-            while not (messages := ray.get(self.actor.take.remote(_RECEIVE_S if timeout is None else timeout))):
+            while not (messages := ray.get(self.actor.take.remote(wait), timeout=wait + _CALL_TIMEOUT_S)):
                 if timeout is not None:
                     break
-        except RayError as error:
+        except RayError as error:  # GetTimeoutError too
             raise EOFError(f"The engine actor is gone: {error}") from error
         return messages
 

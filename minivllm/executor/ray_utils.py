@@ -10,6 +10,7 @@ node IP, so a tensor-parallel group may span nodes: NCCL between GPUs, gloo on C
 
 import logging
 import os
+import signal
 import threading
 from typing import Any
 
@@ -30,8 +31,6 @@ logger = logging.getLogger(__name__)
 PLACEMENT_GROUP_TIMEOUT_S = 1800.0
 _PLACEMENT_LOG_INTERVAL_S = 10.0
 _STOP_TIMEOUT_S = 10.0
-# Data-parallel replicas start on threads of their own: one of them connects.
-_connecting = threading.Lock()
 
 
 def _resource(config: EngineConfig) -> str:
@@ -42,10 +41,19 @@ def _resource(config: EngineConfig) -> str:
 def initialize_ray_cluster(config: EngineConfig, data_parallel_size: int) -> None:
     """Connect to the Ray cluster ($RAY_ADDRESS, else the one `ray start` began on this host),
     or start a local one where there is none. Raises ValueError when the cluster has fewer GPUs
-    (CPUs on CPU) than the tensor_parallel_size x data_parallel_size ranks need."""
-    with _connecting:
-        if not ray.is_initialized():
+    (CPUs on CPU) than the tensor_parallel_size x data_parallel_size ranks need. Call it from
+    the main thread first (data-parallel replicas start on threads of their own)."""
+    if not ray.is_initialized():
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("Connect to Ray (initialize_ray_cluster) from the main thread first.")
+        # A local instance started here shares this process's group, and Ctrl-C in a terminal
+        # would stop it before the server has stopped its actors (whose calls then hang): its
+        # processes inherit SIGINT ignored, and stop with this one.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
             ray.init()  # no address: $RAY_ADDRESS, else this host's `ray start` cluster, else a new one
+        finally:
+            signal.signal(signal.SIGINT, previous)
     resource = _resource(config)
     needed = config.tensor_parallel_size * data_parallel_size
     total = int(ray.cluster_resources().get(resource, 0))
