@@ -31,6 +31,8 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402 (after the skip)
 from ray.util import placement_group_table  # noqa: E402
 
+from minivllm.executor import ray_utils  # noqa: E402 (imports ray)
+
 pytestmark = pytest.mark.slow  # Ray's processes and actors
 
 MAX_MODEL_LEN = 1024  # the tiny model's longest
@@ -148,6 +150,16 @@ def test_a_replica_a_node_answers_a_burst_in_full(replicas: DataParallelAsyncLLM
     assert asyncio.run(burst()) == [4] * 200
     counts = [served(replica) for replica in replicas.replicas]
     assert sum(counts) == 200 and min(counts) >= 50, counts
+
+
+def test_a_replica_that_cannot_be_placed_says_what_it_needs(replicas: DataParallelAsyncLLM, model_dir: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cluster's two CPUs are the replicas': a third replica waits for one, then gives up."""
+    monkeypatch.setattr(ray_utils, "PLACEMENT_GROUP_TIMEOUT_S", 0.4)
+    monkeypatch.setattr(ray_utils, "_PLACEMENT_LOG_INTERVAL_S", 0.2)
+    with pytest.raises(ValueError, match=r"Ray did not place a replica's placement group \(1 x \{'CPU': 1\}\) within "
+                                         r"0.4 s: the cluster has 0 CPUs free of 2"):
+        AsyncLLM(ray_config(model_dir), log_stats_interval_s=None)
 
 
 def test_a_killed_replica_ends_its_requests_and_the_other_serves_on(replicas: DataParallelAsyncLLM) -> None:

@@ -81,8 +81,8 @@ def replica_placement_group(config: EngineConfig, first_bundle_here: bool = Fals
         free = ray.available_resources().get(resource, 0)
         if waited >= PLACEMENT_GROUP_TIMEOUT_S:
             remove_placement_group(group)
-            raise ValueError(f"Ray did not place a replica's {len(bundles)} bundles of {{{resource!r}: 1}} within "
-                             f"{waited:.0f} s: the cluster has {free:g} {resource}s free of "
+            raise ValueError(f"Ray did not place a replica's placement group ({len(bundles)} x {{{resource!r}: 1}}) "
+                             f"within {waited:g} s: the cluster has {free:g} {resource}s free of "
                              f"{ray.cluster_resources().get(resource, 0):g}. Free them or add nodes.")
         logger.info("Waiting for %d %ss for a replica's placement group (%g free in the cluster)", len(bundles),
                     resource, free)
