@@ -26,8 +26,8 @@ from minivllm.executor.worker import start_rank, stop_rank
 
 logger = logging.getLogger(__name__)
 
-# How long a replica waits for its placement group (the cluster has the resources, but other
-# jobs hold them, or nodes are still joining), as vLLM, which waits 30 minutes.
+# How long a replica waits for its placement group: the cluster has the resources, but other
+# jobs hold them, or nodes are still joining (a slow start is no failure).
 PLACEMENT_GROUP_TIMEOUT_S = 1800.0
 _PLACEMENT_LOG_INTERVAL_S = 10.0
 _STOP_TIMEOUT_S = 10.0
