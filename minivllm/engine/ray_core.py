@@ -113,6 +113,8 @@ class RayEngineCore:
         return not ray.wait([self._run], timeout=0)[0]
 
     def stop(self, timeout: float) -> None:
+        if not ray.is_initialized():
+            return  # Ray shut down (at exit, say), and ended its actors with it
         try:
             ray.get(self._run, timeout=timeout)
         except RayError:  # GetTimeoutError too
@@ -166,6 +168,8 @@ class RayReplica:
         return ray.get(self._latest)
 
     def stop(self) -> None:
+        if not ray.is_initialized():
+            return  # Ray shut down (at exit, say), and ended its actors with it
         try:
             ray.get(self.actor.stop.remote(), timeout=_STOP_TIMEOUT_S)
         except RayError:  # GetTimeoutError too: dead, or stuck; killed below

@@ -41,19 +41,19 @@ def _resource(config: EngineConfig) -> str:
 def initialize_ray_cluster(config: EngineConfig, data_parallel_size: int) -> None:
     """Connect to the Ray cluster ($RAY_ADDRESS, else the one `ray start` began on this host),
     or start a local one where there is none. Raises ValueError when the cluster has fewer GPUs
-    (CPUs on CPU) than the tensor_parallel_size x data_parallel_size ranks need. Call it from
-    the main thread first (data-parallel replicas start on threads of their own)."""
+    (CPUs on CPU) than the tensor_parallel_size x data_parallel_size ranks need."""
     if not ray.is_initialized():
-        if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("Connect to Ray (initialize_ray_cluster) from the main thread first.")
         # A local instance started here shares this process's group, and Ctrl-C in a terminal
         # would stop it before the server has stopped its actors (whose calls then hang): its
-        # processes inherit SIGINT ignored, and stop with this one.
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # processes inherit SIGINT ignored, and stop with this one. (Only the main thread may
+        # set signal handlers.)
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
         try:
             ray.init()  # no address: $RAY_ADDRESS, else this host's `ray start` cluster, else a new one
         finally:
-            signal.signal(signal.SIGINT, previous)
+            if main_thread:
+                signal.signal(signal.SIGINT, previous)
     resource = _resource(config)
     needed = config.tensor_parallel_size * data_parallel_size
     total = int(ray.cluster_resources().get(resource, 0))
@@ -171,6 +171,10 @@ class RayWorkers:
         """Stop the workers cleanly (or, if they don't stop in time, kill them) and leave the
         process group. Safe to call more than once."""
         if not self.actors:
+            return
+        if not ray.is_initialized():  # Ray shut down (at exit, say), and ended its actors with it
+            self.actors = self.workers = []
+            distributed.destroy_distributed()
             return
         try:
             ray.get([actor.stop.remote() for actor in self.workers], timeout=_STOP_TIMEOUT_S)
