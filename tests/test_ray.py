@@ -1,11 +1,12 @@
 """distributed_executor_backend="ray" on CPU, over Ray's simulation of a two-node cluster
-(ray.cluster_utils.Cluster: processes of this host, one CPU a node, so that a placement group of two bundles
-takes both nodes): a TP=2 group across the nodes equals TP=1 and Hugging Face; DP=2 (a replica
-a node) answers a burst in full; a replica's actor killed mid-load ends its own requests with
-EngineDeadError while the other serves on, and /health names the dead one.
+(ray.cluster_utils.Cluster: processes of this host, one CPU a node, so that a placement group
+of two bundles takes both nodes): a TP=2 group across the nodes equals TP=1 and Hugging Face,
+served and offline; DP=2 (a replica a node) answers a burst in full; a replica's actor killed
+mid-load ends its own requests with EngineDeadError while the other serves on, and /health
+names the dead one; too few CPUs, or none free, is a clear error.
 
 Each engine core and rank is an actor that imports torch (seconds, ~300 MB): the module builds
-one TP=2 engine and one DP=2 engine."""
+one engine of each kind, one at a time, on one cluster."""
 
 from __future__ import annotations
 
