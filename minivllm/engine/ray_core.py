@@ -57,6 +57,8 @@ class QueueConnection:
 
 
 class _EngineCoreActor:
+    """An engine core: run() on one thread for the core's life; put() and take() on others."""
+
     def __init__(self) -> None:
         self.commands = QueueConnection()
         self.results = QueueConnection()
