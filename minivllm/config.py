@@ -101,6 +101,9 @@ class EngineConfig:
     load_format: str = "auto"  # "auto": safetensors from a model directory, or a .gguf file; "dummy": random
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    # Where tensor-parallel ranks and data-parallel replicas run (vLLM's name): "mp", processes this
+    # host spawns; "ray", Ray actors in placement groups over a Ray cluster (executor/ray_utils.py).
+    distributed_executor_backend: str = "mp"
     skip_tokenizer_init: bool = False
     device: str = "auto"  # "auto": cuda when available, else cpu
     # "triton": our Triton kernels for attention, norms, q/k-norm + RoPE + KV store, SiLU,
@@ -212,7 +215,12 @@ class EngineConfig:
             reasoning_parser_class(self.reasoning_parser)  # raises for an unknown name
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
-        if self.device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got "
+                             f"{self.distributed_executor_backend!r}.")
+        # With Ray the GPUs are the cluster's: its placement groups check them (executor/ray_utils.py).
+        if (self.device == "cuda" and self.distributed_executor_backend == "mp"
+                and self.tensor_parallel_size > torch.cuda.device_count()):
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs as many GPUs, but "
                              f"{torch.cuda.device_count()} are visible: lower tensor_parallel_size.")
         num_kv_heads = getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads

@@ -5,7 +5,7 @@ import os
 import time
 import weakref
 from collections.abc import Sequence as SequenceABC
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from tqdm import tqdm
@@ -20,6 +20,9 @@ from minivllm.entrypoints.chat_utils import Conversation, chat_prompt_token_ids
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from minivllm.engine.ray_core import RayReplica
+
 
 class LLM:
     def __init__(self, model: str, data_parallel_size: int = 1, **kwargs: Any) -> None:
@@ -27,13 +30,23 @@ class LLM:
         data_parallel_size: engine replicas; generate() splits the prompts among them. This
         process runs the first; each other runs in a process of its own, on its own
         tensor_parallel_size GPUs (replica i on GPUs i*tp .. i*tp+tp-1), or all of them on a
-        1/data_parallel_size share of the CPU cores (this process's torch threads included)."""
+        1/data_parallel_size share of the CPU cores (this process's torch threads included).
+        With distributed_executor_backend="ray" the others, and the tensor-parallel ranks after
+        this process's, are Ray actors on the Ray cluster's GPUs (or CPUs)."""
         config = EngineConfig(model, **kwargs)
         devices = replica_cuda_devices(config, data_parallel_size)
         num_threads = cpu_threads(num_engines=data_parallel_size)
         # Started first: the replicas load their models while this process loads its own.
-        self._replicas = [_Replica(model, kwargs, devices[rank], num_threads) for rank in range(1, data_parallel_size)]
-        if self._replicas and config.device == "cpu":
+        self._replicas: list[_Replica | RayReplica]
+        if config.distributed_executor_backend == "ray":
+            from minivllm.engine import ray_core  # ray: an optional extra
+
+            self._replicas = [ray_core.RayReplica(model, kwargs, config, data_parallel_size)
+                              for _ in range(1, data_parallel_size)]
+        else:
+            self._replicas = [_Replica(model, kwargs, devices[rank], num_threads)
+                              for rank in range(1, data_parallel_size)]
+        if self._replicas and config.device == "cpu" and config.distributed_executor_backend == "mp":
             torch.set_num_threads(num_threads)
         try:
             self.llm_engine = LLMEngine(config)
@@ -215,7 +228,7 @@ class _Replica:
         self._pipe.close()
 
 
-def _stop_replicas(replicas: list[_Replica], engine: LLMEngine | None = None) -> None:
+def _stop_replicas(replicas: "list[_Replica | RayReplica]", engine: LLMEngine | None = None) -> None:
     for replica in replicas:
         replica.stop()
     if engine is not None:

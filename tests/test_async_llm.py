@@ -103,7 +103,7 @@ def test_engine_death_fails_streams_and_new_requests(engine: AsyncLLM) -> None:
         stream = await engine.add_request("Hello", SamplingParams(max_tokens=1000, ignore_eos=True))
         with pytest.raises(EngineDeadError):
             async for _ in stream:
-                os.kill(engine.engine_process.pid, signal.SIGKILL)
+                os.kill(engine.core.process.pid, signal.SIGKILL)
         assert not engine.is_running
         with pytest.raises(EngineDeadError):
             await engine.add_request("Hello", GREEDY)

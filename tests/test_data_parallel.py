@@ -198,7 +198,7 @@ def test_a_dead_engine_ends_its_requests_and_the_other_serves_on(model_dir: str)
 
 def test_replicas_take_consecutive_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5,7,9")
-    config = SimpleNamespace(device="cuda", tensor_parallel_size=2)
+    config = SimpleNamespace(device="cuda", tensor_parallel_size=2, distributed_executor_backend="mp")
     assert replica_cuda_devices(config, 2) == ["2,3", "5,7"]  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"data_parallel_size=3 x tensor_parallel_size=2 needs 6 GPUs, but 5"):
         replica_cuda_devices(config, 3)  # type: ignore[arg-type]

@@ -5,7 +5,7 @@ from minivllm.distributed.tensor_parallel import (
                                                   all_reduce,
                                                   broadcast_from_rank0,
                                                   destroy_distributed,
-                                                  free_local_init_method,
+                                                  free_init_method,
                                                   gather_to_rank0,
                                                   init_distributed,
                                                   min_across_ranks,
@@ -13,5 +13,5 @@ from minivllm.distributed.tensor_parallel import (
                                                   tp_size,
 )
 
-__all__ = ["all_reduce", "broadcast_from_rank0", "destroy_distributed", "free_local_init_method",
+__all__ = ["all_reduce", "broadcast_from_rank0", "destroy_distributed", "free_init_method",
            "gather_to_rank0", "init_distributed", "min_across_ranks", "tp_rank", "tp_size"]

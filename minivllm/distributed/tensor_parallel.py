@@ -16,17 +16,19 @@ def tp_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def free_local_init_method() -> str:
-    """A TCP rendezvous address on a port that is free now (rank 0 listens on it)."""
+def free_init_method(host: str = "127.0.0.1") -> str:
+    """A TCP rendezvous address on a port of this machine that is free now (rank 0 listens on
+    it); host: the address the other ranks reach this machine at (another node's: its IP)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        s.bind((host, 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"
 
 
-def init_distributed(rank: int, world_size: int, init_method: str, device: str) -> None:
-    """Join the group; blocks until every rank has joined. NCCL on GPUs, gloo on CPU."""
+def init_distributed(rank: int, world_size: int, init_method: str, device: str, cuda_device: int) -> None:
+    """Join the group; blocks until every rank has joined. NCCL on GPUs (this rank's is
+    cuda_device), gloo on CPU."""
     if device == "cuda":
-        torch.cuda.set_device(rank)  # before the NCCL communicator binds to a device
+        torch.cuda.set_device(cuda_device)  # before the NCCL communicator binds to a device
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=init_method,
                             rank=rank, world_size=world_size)
 

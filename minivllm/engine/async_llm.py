@@ -12,6 +12,10 @@ tokens and text that are new since the previous one.
 Messages, front to core: ("add", request_id, prompt_text, prompt_token_ids, params,
 arrival_time), ("abort", request_id), ("snapshot",), None (stop). Core to front: ("ready", stats),
 ("step", outputs, stats), ("snapshot", EngineSnapshot, stats), ("dead", error), ("stopped", None).
+
+The core is a process this one spawns, talking over pipes (ProcessEngineCore), or, with
+distributed_executor_backend="ray", a Ray actor anywhere in the cluster (engine/ray_core.py):
+both run the one loop, run_engine_core, over connection-like ends (CommandSource, ResultSink).
 """
 
 import asyncio
@@ -27,7 +31,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import Connection
+from typing import Any, Protocol
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -55,6 +59,47 @@ _STOP_TIMEOUT_S = 30.0
 WireCompletion = tuple[int, str, list[int], float | None, SampleLogprobs | None, str | None, int | str | None]
 WireOutput = tuple[str, list[WireCompletion], bool, tuple[float | None, float | None, float | None], int,
                    PromptLogprobs | None]
+
+
+# A command to the core, None to stop it (see the module's docstring), and a message from it.
+Command = tuple[Any, ...] | None
+CoreMessage = tuple[Any, ...]
+
+
+class CommandSource(Protocol):
+    """The core's end of the command channel (a multiprocessing Connection is one)."""
+
+    def poll(self, timeout: float = 0.0) -> bool: ...
+
+    def recv(self) -> Any: ...
+
+
+class ResultSink(Protocol):
+    """The core's end of the results channel (a multiprocessing Connection is one)."""
+
+    def send(self, obj: Any) -> None: ...
+
+
+class EngineCore(Protocol):
+    """The front's handle on its engine core: a process (ProcessEngineCore) or a Ray actor
+    (engine/ray_core.py's RayEngineCore)."""
+
+    def send(self, commands: list[Command]) -> None:
+        """Deliver the commands in order; raises OSError once the core is gone."""
+
+    def receive(self, timeout: float | None) -> list[CoreMessage]:
+        """The messages that came, waiting up to timeout seconds for one ([] if none came; None:
+        as long as it takes); raises EOFError once the core is gone."""
+        ...
+
+    def is_alive(self) -> bool: ...
+
+    def stop(self, timeout: float) -> None:
+        """After the stop command: wait up to timeout seconds for the core to end, then end it."""
+
+    def exit_error(self) -> BaseException:
+        """What to report of a core that ended without a word."""
+        ...
 
 
 class EngineDeadError(RuntimeError):
@@ -149,9 +194,10 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, model_name: str | None = None,
                  log_stats_interval_s: float | None = 10.0, data_parallel_rank: int = 0,
                  data_parallel_size: int = 1, cuda_visible_devices: str | None = None) -> None:
-        """Start the engine core process; returns once it is ready, or raises what stopped
-        it. model_name labels the metrics (default: the model path); log_stats_interval_s:
-        seconds between the periodic stats log lines (None: no log). As one of
+        """Start the engine core (a process; with distributed_executor_backend="ray", a Ray
+        actor); returns once it is ready, or raises what stopped it. model_name labels the
+        metrics (default: the model path); log_stats_interval_s: seconds between the periodic
+        stats log lines (None: no log). As one of
         data_parallel_size replicas (engine/data_parallel.py): data_parallel_rank labels its
         metrics, its core takes its share of the CPU cores, and cuda_visible_devices its GPUs."""
         self.config = config
@@ -169,32 +215,31 @@ class AsyncLLM:
         self._stopping = False
         self._request_counter = 0
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="minivllm-tokenize")
-        ctx = mp.get_context("spawn")  # forking a process that may have touched CUDA is unsafe
-        core_commands, self._commands = ctx.Pipe(duplex=False)
-        self._results, core_results = ctx.Pipe(duplex=False)
-        # Not a daemon: the core starts tensor-parallel workers of its own. Its intra-op threads
-        # leave a core to this process, which tokenizes, detokenizes and streams meanwhile.
-        name = "minivllm-engine" if data_parallel_size == 1 else f"minivllm-engine-{data_parallel_rank}"
-        self.engine_process = ctx.Process(target=_engine_core, name=name,
-                                          args=(config, core_commands, core_results,
-                                                cpu_threads(reserved_cores=1, num_engines=data_parallel_size),
-                                                logging.getLogger().getEffectiveLevel(), cuda_visible_devices))
-        self.engine_process.start()
-        core_commands.close()
-        core_results.close()
+        log_level = logging.getLogger().getEffectiveLevel()
+        self.core: EngineCore
+        if config.distributed_executor_backend == "ray":
+            from minivllm.engine.ray_core import RayEngineCore  # ray: an optional extra
+
+            self.core = RayEngineCore(config, data_parallel_size, log_level)
+        else:
+            name = "minivllm-engine" if data_parallel_size == 1 else f"minivllm-engine-{data_parallel_rank}"
+            # Its intra-op threads leave a core to this process, which tokenizes, detokenizes and
+            # streams meanwhile.
+            self.core = ProcessEngineCore(config, name, cpu_threads(reserved_cores=1, num_engines=data_parallel_size),
+                                          log_level, cuda_visible_devices)
         try:
-            kind, payload = self._results.recv()
+            (kind, payload), = self.core.receive(None)
         except EOFError:
-            kind, payload = "dead", RuntimeError(f"The engine process exited (code {self.engine_process.exitcode}).")
+            kind, payload = "dead", self.core.exit_error()
         if kind == "dead":
-            self.engine_process.join()
+            self.core.stop(_STOP_TIMEOUT_S)
             raise payload
         self._stats = payload
         self._reader = threading.Thread(target=self._read_results, name="minivllm-results", daemon=True)
         self._reader.start()
         # Commands go down the pipe from a thread of their own: a write blocks while the pipe is
         # full (the core reads between steps), and the event loop must never block.
-        self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_commands, name="minivllm-commands", daemon=True)
         self._sender.start()
 
@@ -202,7 +247,7 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self.dead_error is None and self.engine_process.is_alive()
+        return self.dead_error is None and self.core.is_alive()
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -323,15 +368,11 @@ class AsyncLLM:
         return self._stats
 
     def shutdown(self) -> None:
-        """Stop the engine process (and its tensor-parallel workers)."""
+        """Stop the engine core (and its tensor-parallel workers)."""
         self._stopping = True
         self._outbox.put(None)
         self._sender.join()
-        if self.engine_process.is_alive():
-            self.engine_process.join(_STOP_TIMEOUT_S)
-            if self.engine_process.is_alive():
-                self.engine_process.terminate()
-                self.engine_process.join()
+        self.core.stop(_STOP_TIMEOUT_S)
         self._reader.join()
         self._tokenizer_pool.shutdown()
 
@@ -361,34 +402,32 @@ class AsyncLLM:
     # --- the command and results threads ---------------------------------------------------
 
     def _send_commands(self) -> None:
-        """Forward queued commands to the core until the stop command (None) is sent."""
+        """Forward queued commands to the core, those queued meanwhile together, until the stop
+        command (None) is sent."""
         while True:
-            command = self._outbox.get()
+            commands = [self._outbox.get()]
+            while commands[-1] is not None and not self._outbox.empty():
+                commands.append(self._outbox.get())
             try:
-                self._commands.send(command)
+                self.core.send(commands)
             except OSError:  # the core is gone: the results thread reports it
                 return
-            if command is None:
+            if commands[-1] is None:
                 return
 
     def _read_results(self) -> None:
         """Hand each step's outputs to the event loop; log stats periodically; notice the
         core's death."""
         next_log = time.monotonic() + (self._log_stats_interval_s or 0)
-        # One poll object for the thread's life (Connection.poll builds a selector per call).
-        poller = select.poll()
-        poller.register(self._results.fileno(), select.POLLIN)
         while True:
             timeout = max(next_log - time.monotonic(), 0) if self._log_stats_interval_s else None
             try:
-                ready = poller.poll(None if timeout is None else timeout * 1000)
-                message = self._results.recv() if ready else None
-            except (EOFError, OSError):  # the process is gone without a word
+                messages = self.core.receive(timeout)
+            except (EOFError, OSError):  # the core is gone without a word
                 if not self._stopping:
-                    self.engine_process.join(_STOP_TIMEOUT_S)
-                    self._die(RuntimeError(f"The engine process exited (code {self.engine_process.exitcode})."))
+                    self._die(self.core.exit_error())
                 return
-            if message is not None:
+            for message in messages:
                 kind, payload, *stats = message
                 if kind == "stopped":
                     return
@@ -411,16 +450,63 @@ class AsyncLLM:
             loop.call_soon_threadsafe(self._fail_all, error)
 
 
-def _engine_core(config: EngineConfig, commands: Connection, results: Connection, num_threads: int,
-                 log_level: int, cuda_visible_devices: str | None) -> None:
-    """The engine process: apply requests and aborts as they come, step while there is work.
-    cuda_visible_devices: the GPUs it (and its tensor-parallel workers) may see, set before
-    CUDA starts (None: those of the front)."""
+class ProcessEngineCore:
+    """An engine core in a process of its own, spawned here, over two pipes."""
+
+    def __init__(self, config: EngineConfig, name: str, num_threads: int, log_level: int,
+                 cuda_visible_devices: str | None) -> None:
+        ctx = mp.get_context("spawn")  # forking a process that may have touched CUDA is unsafe
+        core_commands, self._commands = ctx.Pipe(duplex=False)
+        self._results, core_results = ctx.Pipe(duplex=False)
+        # Not a daemon: the core starts tensor-parallel workers of its own.
+        self.process = ctx.Process(target=_engine_core_process, name=name,
+                                   args=(config, core_commands, core_results, num_threads, log_level,
+                                         cuda_visible_devices))
+        self.process.start()
+        core_commands.close()
+        core_results.close()
+        # One poll object for the handle's life (Connection.poll builds a selector per call).
+        self._poller = select.poll()
+        self._poller.register(self._results.fileno(), select.POLLIN)
+
+    def send(self, commands: list[Command]) -> None:
+        for command in commands:
+            self._commands.send(command)
+
+    def receive(self, timeout: float | None) -> list[CoreMessage]:
+        if not self._poller.poll(None if timeout is None else timeout * 1000):
+            return []
+        return [self._results.recv()]
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def stop(self, timeout: float) -> None:
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join()
+
+    def exit_error(self) -> BaseException:
+        self.process.join(_STOP_TIMEOUT_S)
+        return RuntimeError(f"The engine process exited (code {self.process.exitcode}).")
+
+
+def _engine_core_process(config: EngineConfig, commands: CommandSource, results: ResultSink, num_threads: int,
+                         log_level: int, cuda_visible_devices: str | None) -> None:
+    """The engine process: run_engine_core. cuda_visible_devices: the GPUs it (and its
+    tensor-parallel workers) may see, set before CUDA starts (None: those of the front)."""
     if cuda_visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front decides
     torch.set_num_threads(num_threads)
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    run_engine_core(config, commands, results)
+
+
+def run_engine_core(config: EngineConfig, commands: CommandSource, results: ResultSink) -> None:
+    """The engine core: build the engine, then apply requests and aborts as they come and step
+    while there is work, until the stop command; reports ready, each step, and death."""
     try:
         engine = LLMEngine(config)
     except BaseException as error:  # noqa: BLE001 (the front raises it)
@@ -467,7 +553,7 @@ def to_wire(output: RequestOutput) -> WireOutput:
             output.num_cached_tokens, output.prompt_logprobs)
 
 
-def _apply_commands(engine: LLMEngine, commands: Connection, results: Connection) -> bool:
+def _apply_commands(engine: LLMEngine, commands: CommandSource, results: ResultSink) -> bool:
     """Apply every queued add and abort, answer a snapshot request; False once asked to stop."""
     while commands.poll():
         command = commands.recv()

@@ -8,7 +8,8 @@ holds the start of its first prompt (PrefixRouter), unless that replica is much 
 the least busy one; otherwise to the live replica with the fewest unfinished requests (ties to
 the lowest rank: one-at-a-time traffic stays on one replica). A replica whose core dies ends its own requests with
 EngineDeadError; the others go on serving, and the server answers /health with 200 while one
-lives. Not here: replicas on other hosts.
+lives. With distributed_executor_backend="ray" each replica's core is a Ray actor, on any host of
+the Ray cluster (engine/ray_core.py).
 """
 
 import os
@@ -29,10 +30,11 @@ from minivllm.sampling_params import SamplingParams
 
 def replica_cuda_devices(config: EngineConfig, data_parallel_size: int) -> list[str | None]:
     """The CUDA_VISIBLE_DEVICES of each replica: replica i takes the visible GPUs
-    i*tp .. i*tp+tp-1 (None for each on CPU). Raises ValueError when there are too few."""
+    i*tp .. i*tp+tp-1 (None for each on CPU, and with Ray, which gives each actor its GPU).
+    Raises ValueError when there are too few."""
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}.")
-    if config.device != "cuda":
+    if config.device != "cuda" or config.distributed_executor_backend == "ray":
         return [None] * data_parallel_size
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
@@ -99,6 +101,10 @@ class DataParallelAsyncLLM:
         """Start every replica (their models load at once); returns once all are ready, or
         stops those that started and raises what stopped one."""
         devices = replica_cuda_devices(config, data_parallel_size)
+        if config.distributed_executor_backend == "ray":
+            from minivllm.executor.ray_utils import initialize_ray_cluster  # ray: an optional extra
+
+            initialize_ray_cluster(config, data_parallel_size)  # checks the whole cluster, from this thread
         with ThreadPoolExecutor(data_parallel_size, thread_name_prefix="minivllm-dp-start") as pool:
             starting = [pool.submit(AsyncLLM, config, model_name, log_stats_interval_s, rank, data_parallel_size,
                                     devices[rank]) for rank in range(data_parallel_size)]

@@ -4,6 +4,7 @@ import gc
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
@@ -21,6 +22,9 @@ from minivllm.executor.worker import Workers
 from minivllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 from minivllm.reasoning import reasoning_parser_class
 from minivllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from minivllm.executor.ray_utils import RayWorkers
 
 # New container objects between two young-generation collections while an engine lives
 # (Python's default is 700).
@@ -77,6 +81,17 @@ class Request:
                 and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
 
 
+def _other_ranks(config: EngineConfig) -> "Workers | RayWorkers | None":
+    """Ranks 1..N-1 of a tensor-parallel engine, started: processes of this host, or Ray actors."""
+    if config.tensor_parallel_size == 1:
+        return None
+    if config.distributed_executor_backend == "ray":
+        from minivllm.executor.ray_utils import RayWorkers  # ray: an optional extra
+
+        return RayWorkers(config)
+    return Workers(config)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -84,7 +99,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.input_processor = InputProcessor(config, self.tokenizer)
         # Ranks 1..N-1 of a tensor-parallel engine; they build their shards alongside ours.
-        self.workers = Workers(config) if config.tensor_parallel_size > 1 else None
+        self.workers = _other_ranks(config)
         try:
             self.model_runner = ModelRunner(config, self.workers)
         except BaseException:

@@ -129,6 +129,9 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="serve this many replicas of the engine (each on tensor-parallel-size GPUs of its own, "
                              "or a share of the CPU cores); requests go to the least busy")
+    parser.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
+                        help="mp: tensor-parallel ranks and data-parallel replicas as processes of this host; ray: "
+                             "as Ray actors over the Ray cluster (`ray start` on each host first; else a local one)")
     _add_device_argument(parser)
     parser.add_argument("--block-size", type=int, default=EngineConfig.block_size,
                         help="tokens per KV-cache block (the prefix cache reuses whole blocks)")

@@ -93,20 +93,31 @@ def _channel_bytes(config: EngineConfig) -> int:
     return 2 * (24 * max_tokens + per_seq * config.max_num_seqs) + (1 << 20)
 
 
+def start_rank(config: EngineConfig, rank: int, init_method: str, cuda_device: int) -> ModelRunner:
+    """A worker rank's ModelRunner, in the process group (left again if it fails to build)."""
+    distributed.init_distributed(rank, config.tensor_parallel_size, init_method, config.device, cuda_device)
+    try:
+        return ModelRunner(config)
+    except BaseException:
+        distributed.destroy_distributed()
+        raise
+
+
+def stop_rank(runner: ModelRunner) -> None:
+    runner.release_graphs()  # before the process group goes
+    distributed.destroy_distributed()
+
+
 def _worker_main(config: EngineConfig, rank: int, init_method: str, channel: _Channel, num_threads: int) -> None:
     torch.set_num_threads(num_threads)
-    distributed.init_distributed(rank, config.tensor_parallel_size, init_method, config.device)
-    runner = None
+    runner = start_rank(config, rank, init_method, rank)
     try:
-        runner = ModelRunner(config)
         # None: rank 0 asked us to stop, or died.
         while (message := channel.receive(rank - 1)) is not None:
             method, args = message
             getattr(runner, method)(*args)
     finally:
-        if runner is not None:
-            runner.release_graphs()  # before the process group goes
-        distributed.destroy_distributed()
+        stop_rank(runner)
 
 
 class Workers:
@@ -119,7 +130,7 @@ class Workers:
         size = config.tensor_parallel_size
         ctx = mp.get_context("spawn")  # forking a process that has touched CUDA is unsafe
         self.channel = _Channel(size - 1, _channel_bytes(config))
-        init_method = distributed.free_local_init_method()
+        init_method = distributed.free_init_method()
         # The ranks share the engine's intra-op threads (rank 0's count, cpu_threads' or the
         # user's): each rank its own count would put size times too many on the same cores.
         num_threads = max(1, torch.get_num_threads() // size)
@@ -133,7 +144,7 @@ class Workers:
             process.start()
         atexit.register(self.shutdown)
         try:
-            distributed.init_distributed(0, size, init_method, config.device)
+            distributed.init_distributed(0, size, init_method, config.device, 0)
         except BaseException:
             self.shutdown()
             raise
