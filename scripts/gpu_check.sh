@@ -27,6 +27,9 @@
 #          w4's packages and xgrammar with apache-tvm-ffi (carry .whl with them too: their cp312 wheels
 #          are in .vl/b4); W6_TOKENIZER: a tokenizer directory (default .vl/tools/tokenizer, SmolLM2's:
 #          W6's definition). An invalid reply fails the step
+#   w4_dp  W4 rate inf (1000 prompts) on `python3 -m minivllm serve` at --data-parallel-size 1, then 2:
+#          needs two GPUs (the two-GPU kind) and w4's packages (~3 min). Goal: DP=2 >= 1.9x DP=1.
+#          Its pair: GPU_CHECK=w4_dp,vllm_w4_dp (vLLM's server the same way, staged as vllm_w6)
 #   hf     W1 on transformers continuous batching, qwen3-0.6b, with --num-prompts 128:
 #          the full 256 requests are 133,966 tokens, ~3.6 min at the ~620 tok/s transformers
 #          reaches on an H200; the first 128 drawn the same way are 66,720 tokens, ~1.8 min.
@@ -157,6 +160,19 @@ serve_w6() {  # serve_w6 LABEL COMMAND...: W6 on the server COMMAND starts (W4's
     return $rc
 }
 
+serve_w4_dp() {  # serve_w4_dp LABEL COMMAND...: W4 rate inf (1000 prompts, benchmarks.serving) on the server
+    # COMMAND starts (W4's model and flags), once with --data-parallel-size 1 and once with 2 (two GPUs)
+    local label="$1" dp rc=0; shift
+    if [[ $(nvidia-smi -L | wc -l) -lt 2 ]]; then echo "w4_dp needs two GPUs; this machine has fewer"; return 1; fi
+    for dp in 1 2; do
+        start_server /tmp/w4-model "${W4_TOKENIZER:-}" "$OUT/w4dp-$label-dp$dp-server-${MINIVLLM_COMMIT:-tree}.log" \
+            "$@" /tmp/w4-model --data-parallel-size $dp || return 1
+        $CLIENT --tokenizer /tmp/w4-model --label "$label-dp$dp" --num-prompts 1000 --json-out "$RESULTS" || rc=1
+        kill -TERM $SERVER_PID; wait $SERVER_PID
+    done
+    return $rc
+}
+
 vllm_serve() {  # vLLM's `vllm serve` from the staged wheel set, with the packages its server needs beyond
     # the engine (.vl/tools/srv, installed as .vl/tools/vllm_w4.sh installs them); exec: its pid is the server's
     if [[ -d .vl/tools/srv && ! -d /tmp/vlsrv ]]; then
@@ -166,7 +182,7 @@ vllm_serve() {  # vLLM's `vllm serve` from the staged wheel set, with the packag
         TRANSFORMERS_OFFLINE=1 exec python3 -m vllm.entrypoints.cli.main serve "$@"
 }
 W6_TOKENIZER="${W6_TOKENIZER:-$PWD/.vl/tools/tokenizer}"  # absolute: AB_BASE's steps run in another directory
-export -f start_server serve_w4 serve_w6 vllm_serve
+export -f start_server serve_w4 serve_w4_dp serve_w6 vllm_serve
 export OUT RESULTS SERVER_FLAGS CLIENT W6_TOKENIZER
 
 ab() {  # ab NAME COMMAND...: run the command from this tree, after AB_BASE's when given (AB_ROUNDS pairs)
@@ -224,6 +240,7 @@ for step in ${GPU_CHECK//,/ }; do
         w3)    bench w3 prefix_cache.py --model qwen3-0.6b --step-breakdown ;;
         w4)    ab w4 bash -c serve_w4 ;;
         w6)    ab w6 bash -c 'serve_w6 minivllm python3 -m minivllm serve' ;;
+        w4_dp) ab w4_dp bash -c 'serve_w4_dp minivllm python3 -m minivllm serve' ;;
         w5)    bench w5 throughput.py --model qwen3-30b-a3b --step-breakdown ;;
         moe)   run_step moe_kernels python3 -m benchmarks.kernels.fused_moe --sweep ;;
         fp8)   run_step decode_w1_fp8 python3 -m benchmarks.kernels.decode_w1 --every 64 --sweep --kv-cache-dtype fp8 ;;
@@ -247,7 +264,8 @@ for step in ${GPU_CHECK//,/ }; do
         vllm_w1_triton) peer vllm_w1_triton python3 scripts/vllm_backend.py TRITON_ATTN .vl/tools/vllm_w1.py ;;
         vllm_w2w3)   peer vllm_w2w3 python3 .vl/tools/vllm_w2w3.py ;;
         vllm_w6)     vllm_staged vllm_w6 && run_step vllm_w6 bash -c 'serve_w6 vllm vllm_serve' ;;
-        *) echo "unknown step '$step' (steps: $ALL_STEPS w1_json w4 w6 tp vllm_w1 vllm_w1_fp8 vllm_w1_triton vllm_w2w3 vllm_w6)"
+        vllm_w4_dp)  vllm_staged vllm_w4_dp && run_step vllm_w4_dp bash -c 'serve_w4_dp vllm vllm_serve' ;;
+        *) echo "unknown step '$step' (steps: $ALL_STEPS w1_json w4 w4_dp w6 tp vllm_w1 vllm_w1_fp8 vllm_w1_triton vllm_w2w3 vllm_w4_dp vllm_w6)"
            failed=1 ;;
     esac
 done

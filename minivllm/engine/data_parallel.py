@@ -17,6 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 import torch
 
@@ -50,6 +51,14 @@ ROUTED_BLOCKS_PER_REQUEST = 64
 # Block keys remembered per replica (least recently routed forgotten first): about what the
 # prefix caches of a few thousand requests hold.
 ROUTED_BLOCKS_PER_REPLICA = 100_000
+
+
+class Router(Protocol):
+    """Picks the replica of each request."""
+
+    def choose(self, token_ids: Sequence[int], loads: list[int | None]) -> int:
+        """The replica for a prompt, given each replica's unfinished requests (None: down)."""
+        ...
 
 
 class PrefixRouter:
@@ -97,9 +106,10 @@ class DataParallelAsyncLLM:
     """AsyncLLM's interface over data_parallel_size replicas (see the module's docstring)."""
 
     def __init__(self, config: EngineConfig, data_parallel_size: int, model_name: str | None = None,
-                 log_stats_interval_s: float | None = 10.0) -> None:
+                 log_stats_interval_s: float | None = 10.0, router: Router | None = None) -> None:
         """Start every replica (their models load at once); returns once all are ready, or
-        stops those that started and raises what stopped one."""
+        stops those that started and raises what stopped one. router: what picks each request's
+        replica (default: a PrefixRouter)."""
         devices = replica_cuda_devices(config, data_parallel_size)
         if config.distributed_executor_backend == "ray":
             from minivllm.executor.ray_utils import initialize_ray_cluster  # ray: an optional extra
@@ -118,7 +128,7 @@ class DataParallelAsyncLLM:
         self.tokenizer = first.tokenizer
         self.input_processor = first.input_processor
         self.metrics_registry = merged_registry([replica.metrics.registry for replica in self.replicas])
-        self.router = PrefixRouter(data_parallel_size, config.block_size)
+        self.router = router or PrefixRouter(data_parallel_size, config.block_size)
         self._request_counter = 0
 
     @property
