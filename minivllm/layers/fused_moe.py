@@ -12,6 +12,7 @@ from torch import nn
 
 from minivllm.distributed import all_reduce, tp_rank, tp_size
 from minivllm.layers.custom_op import CustomOp
+from minivllm.layers.fp8_linear import building_fp8
 
 # Where a checkpoint tensor goes in the packed weights: (expert, shard). expert is None
 # when the tensor holds every expert (a leading expert dimension, as transformers' packed
@@ -26,6 +27,9 @@ class FusedMoE(CustomOp):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
+        if building_fp8() is not None:
+            raise ValueError("FP8 weights are not supported yet in mixture-of-experts models: run this model "
+                             "from a 16/32-bit checkpoint without quantization.")
         assert intermediate_size % tp_size() == 0, "moe_intermediate_size not divisible by tp size"
         self.local_intermediate = intermediate_size // tp_size()
         # w13[e]: expert e's gate rows then up rows; w2[e]: its down projection. This rank's

@@ -1,0 +1,213 @@
+"""FP8 linear layers: float8 e4m3 weights with float32 scales, and their matmul.
+
+The scheme (quantization.py's Fp8Config) is chosen once, for the whole model, when it is
+built (`with fp8_linear_layers(config): build_model(...)`); each linear layer built inside
+holds an Fp8LinearMethod, which registers the layer's FP8 parameters under the
+checkpoints' names (`weight`, `weight_scale` or `weight_scale_inv`, `input_scale`), loads
+this rank's slice of them and computes the layer's matmul:
+
+- weight scales per output channel (a per-tensor scale is spread over its channels), on
+  CUDA: torch._scaled_mm, FP8 tensor cores with per-token (or static) activation scales;
+- 128x128 block scales, and every scheme off CUDA: the reference below, which quantises the
+  activations exactly as the GPU path does, dequantises the weight whole and multiplies in
+  the activation dtype (the same function; CI tests it on CPU). A block-scaled Triton GEMM
+  takes block weights' place on GPUs later.
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.distributed import tp_rank, tp_size
+from minivllm.quantization import Fp8Config
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+# The smallest scale: an all-zero row (or group) quantises to zeros rather than dividing by 0.
+MIN_SCALE = 1e-12
+
+_BUILDING: ContextVar[Fp8Config | None] = ContextVar("minivllm_fp8_linear_layers", default=None)
+
+
+@contextmanager
+def fp8_linear_layers(config: Fp8Config | None) -> Iterator[None]:
+    """Linear layers built inside hold FP8 weights of config's scheme (None: the model dtype)."""
+    token = _BUILDING.set(config)
+    try:
+        yield
+    finally:
+        _BUILDING.reset(token)
+
+
+def building_fp8() -> Fp8Config | None:
+    """The FP8 scheme of the layers being built now (fp8_linear_layers), or None."""
+    return _BUILDING.get()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _tensor(layer: nn.Module, name: str) -> torch.Tensor:
+    """A parameter or buffer of the layer, typed as the tensor it is."""
+    tensor = getattr(layer, name)
+    assert isinstance(tensor, torch.Tensor)
+    return tensor
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online quantisation: weight [N, K] -> (float8 weight, float32 scale [N]), one scale per row
+    (its largest magnitude maps to FP8_MAX)."""
+    weight = weight.float()
+    scale = weight.abs().amax(dim=1).clamp(min=MIN_SCALE) / FP8_MAX
+    return (weight / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_activations(x: torch.Tensor, group: int | None, static_scale: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8 x, float32 scales): static_scale (a scalar) when given; else dynamic,
+    one scale per row ([M, 1]), or per row and group of `group` columns ([M, ceil(K / group)])."""
+    x = x.float()
+    if static_scale is not None:
+        return (x / static_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), static_scale.expand(x.shape[0], 1)
+    if group is None:
+        scale = x.abs().amax(dim=1, keepdim=True).clamp(min=MIN_SCALE) / FP8_MAX
+        return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    rows, cols = x.shape
+    groups = F.pad(x, (0, _cdiv(cols, group) * group - cols)).view(rows, -1, group)
+    scale = groups.abs().amax(dim=2, keepdim=True).clamp(min=MIN_SCALE) / FP8_MAX
+    quantized = (groups / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(rows, -1)[:, :cols]
+    return quantized, scale.squeeze(2)
+
+
+class Fp8LinearMethod:
+    """The FP8 weights of one linear layer (this rank's shard, packed parts side by side) and its
+    matmul. Holds no tensors: the layer does, as parameters named as in the checkpoint."""
+
+    def __init__(self, config: Fp8Config, output_sizes: list[int], input_size: int, shard_dim: int) -> None:
+        """output_sizes: this rank's rows of each packed part; input_size: this rank's columns;
+        shard_dim: the weight dimension tensor parallelism splits (0: column-, 1: row-parallel).
+        Raises ValueError where a shard would split a weight block."""
+        self.config = config
+        self.output_sizes = output_sizes
+        self.input_size = input_size
+        self.shard_dim = shard_dim
+        block = config.weight_block
+        if block is not None and tp_size() > 1:
+            sizes, block_size, what = ((output_sizes, block[0], "output rows") if shard_dim == 0
+                                       else ([input_size], block[1], "input columns"))
+            for size in sizes:
+                if size % block_size:
+                    raise ValueError(
+                        f"tensor_parallel_size={tp_size()} splits a layer's {size * tp_size()} {what} into shards of "
+                        f"{size}, which cut the checkpoint's {block[0]}x{block[1]} weight blocks: choose a "
+                        "tensor_parallel_size that divides them into whole blocks.")
+
+    def create_weights(self, layer: nn.Module) -> None:
+        """Register the layer's FP8 weight and scales (float32). Scales a 16/32-bit checkpoint does
+        not have (quantised at load) are buffers: the loader expects every parameter from it."""
+        config = self.config
+        rows = sum(self.output_sizes)
+        layer.weight = nn.Parameter(torch.empty(rows, self.input_size, dtype=FP8), requires_grad=False)
+        # Ones until loaded (load_format="dummy" leaves buffers as they are).
+        if config.weight_block is None:
+            scale = torch.ones(rows, dtype=torch.float32)
+        else:
+            block_rows, block_cols = config.weight_block
+            scale = torch.ones(sum(_cdiv(size, block_rows) for size in self.output_sizes),
+                               _cdiv(self.input_size, block_cols), dtype=torch.float32)
+            # Each weight row's and column's block, where a packed part's last block may be partial.
+            row_blocks = torch.cat([torch.arange(size) // block_rows + sum(_cdiv(s, block_rows)
+                                                                           for s in self.output_sizes[:part])
+                                    for part, size in enumerate(self.output_sizes)])
+            layer.register_buffer("row_blocks", row_blocks, persistent=False)
+            layer.register_buffer("col_blocks", torch.arange(self.input_size) // block_cols, persistent=False)
+        if config.checkpoint_format is None:
+            layer.register_buffer(config.weight_scale_name, scale)
+        else:
+            setattr(layer, config.weight_scale_name, nn.Parameter(scale, requires_grad=False))
+        if config.activation_scheme == "static":
+            # The largest of the packed parts' scales (they share one input): loading takes the max.
+            layer.input_scale = nn.Parameter(torch.zeros((), dtype=torch.float32), requires_grad=False)
+
+    # --- loading --------------------------------------------------------------------------
+
+    def load(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, part: int) -> None:
+        """Copy this rank's slice of checkpoint tensor `loaded` (packed part `part`) into param."""
+        config = self.config
+        if param is layer.weight:
+            if config.checkpoint_format is None:  # quantised here, from the whole rows
+                quantized, scale = quantize_rows(loaded)
+                self._copy_shard(param, quantized, part, 1)
+                self._copy_channel_scales(getattr(layer, config.weight_scale_name), scale, part)
+                return
+            if loaded.dtype != FP8:
+                raise ValueError(f"A checkpoint weight of a quantised layer is {loaded.dtype}, not float8_e4m3fn: "
+                                 "minivllm runs every linear layer of the decoder in FP8, and this checkpoint leaves "
+                                 "some unquantised (quantization_config ignore / modules_to_not_convert).")
+            self._copy_shard(param, loaded, part, 1)
+        elif param is getattr(layer, "input_scale", None):
+            param.data = torch.maximum(param.data, loaded.float().reshape(()))
+        elif config.weight_block is None:
+            scale = loaded.float().flatten()
+            if scale.numel() == 1:  # per tensor: the same for each of the part's rows
+                checkpoint_rows = self.output_sizes[part] * (tp_size() if self.shard_dim == 0 else 1)
+                scale = scale.expand(checkpoint_rows)
+            self._copy_channel_scales(param, scale, part)
+        else:
+            block_rows, block_cols = config.weight_block
+            self._copy_shard(param, loaded.float(), part, block_rows if self.shard_dim == 0 else block_cols)
+
+    def _copy_shard(self, dest: torch.Tensor, loaded: torch.Tensor, part: int, block: int) -> None:
+        """Copy this rank's slice of a part's 2-D weight (block 1) or block scales (block: the
+        weight rows or columns under one scale) into dest, along the sharded dimension."""
+        if self.shard_dim == 1:
+            dest.data.copy_(loaded.narrow(1, tp_rank() * self.input_size // block, dest.shape[1]))
+            return
+        size = self.output_sizes[part]
+        offset = sum(_cdiv(s, block) for s in self.output_sizes[:part])
+        rows = _cdiv(size, block)
+        dest.data.narrow(0, offset, rows).copy_(loaded.narrow(0, tp_rank() * size // block, rows))
+
+    def _copy_channel_scales(self, dest: torch.Tensor, scale: torch.Tensor, part: int) -> None:
+        """Per-channel scales [the part's checkpoint rows]: a column-parallel rank keeps its rows'."""
+        if self.shard_dim == 1:
+            dest.data.copy_(scale)
+        else:
+            self._copy_shard(dest, scale, part, 1)
+
+    # --- the matmul -----------------------------------------------------------------------
+
+    def dequantized_weight(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as the matmul sees it, [rows, input_size] in dtype."""
+        weight, scale = _tensor(layer, "weight").float(), _tensor(layer, self.config.weight_scale_name)
+        if self.config.weight_block is None:
+            return (weight * scale[:, None]).to(dtype)
+        return (weight * scale[_tensor(layer, "row_blocks")[:, None], _tensor(layer, "col_blocks")[None, :]]).to(dtype)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., input_size] @ weight^T (+ bias), in x's dtype."""
+        config = self.config
+        x2d = x.reshape(-1, x.shape[-1])
+        if config.activation_scheme == "none":
+            y = F.linear(x2d, self.dequantized_weight(layer, x.dtype), bias)
+            return y.view(*x.shape[:-1], -1)
+        static_scale = _tensor(layer, "input_scale") if config.activation_scheme == "static" else None
+        group = config.weight_block[1] if config.weight_block is not None else None
+        x_fp8, x_scale = quantize_activations(x2d, group, static_scale)
+        if x.is_cuda and config.weight_block is None:
+            weight_scale = _tensor(layer, config.weight_scale_name)
+            # FP8 tensor cores: row-wise scales, the activations' [M, 1] and the weight's [1, N].
+            y = torch._scaled_mm(x_fp8, _tensor(layer, "weight").t(), scale_a=x_scale.contiguous(),
+                                 scale_b=weight_scale[None, :], bias=bias, out_dtype=x.dtype)
+        else:
+            if group is None:
+                x_dequantized = x_fp8.float() * x_scale
+            else:
+                x_dequantized = x_fp8.float() * x_scale[:, _tensor(layer, "col_blocks")]
+            y = F.linear(x_dequantized.to(x.dtype), self.dequantized_weight(layer, x.dtype), bias)
+        return y.view(*x.shape[:-1], -1)
