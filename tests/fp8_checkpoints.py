@@ -12,9 +12,11 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -132,6 +134,20 @@ def fake_quantize(x: torch.Tensor, activations: str, group: int | None, static_s
     return rounded.view(*x.shape[:-1], -1)[..., :width]
 
 
+def _experts_forward(experts: torch.nn.Module, quantize_input: Callable[[torch.Tensor], torch.Tensor],
+                    quantize_hidden: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """transformers' Qwen3MoeExperts.forward with the projections' inputs rounded to FP8."""
+    def forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden)
+        for expert in top_k_index.unique().tolist():  # in expert order, as transformers
+            tokens, slots = torch.where(top_k_index == expert)
+            gate, up = F.linear(quantize_input(hidden[tokens]), experts.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(quantize_hidden(experts.act_fn(gate) * up), experts.down_proj[expert])
+            out.index_add_(0, tokens, y * top_k_weights[tokens, slots, None])
+        return out
+    return forward
+
+
 @torch.no_grad()
 def hf_fp8_greedy(oracle_dir: str, scheme: Fp8Scheme, prompts: list[list[int]], max_tokens: int,
                   input_scales: dict[str, float] | None = None) -> list[list[int]]:
@@ -140,14 +156,19 @@ def hf_fp8_greedy(oracle_dir: str, scheme: Fp8Scheme, prompts: list[list[int]], 
     model = AutoModelForCausalLM.from_pretrained(oracle_dir, dtype=torch.float32).eval()
     if scheme.activations != "none":
         group = scheme.block[1] if scheme.weights == "block" else None
+
+        def quantizer(projection: str) -> Callable[[torch.Tensor], torch.Tensor]:
+            shared = SIBLINGS.get(projection, projection)
+            static = None if input_scales is None else max(
+                scale for p, scale in input_scales.items() if SIBLINGS.get(p, p) == shared)
+            return lambda x: fake_quantize(x, scheme.activations, group, static)
+
         for name, module in model.named_modules():
             if QUANTIZED.fullmatch(f"{name}.weight"):
-                projection = name.rsplit(".", 1)[1]
-                shared = SIBLINGS.get(projection, projection)
-                static = None if input_scales is None else max(
-                    scale for p, scale in input_scales.items() if SIBLINGS.get(p, p) == shared)
-                module.register_forward_pre_hook(
-                    lambda _, args, static=static: (fake_quantize(args[0], scheme.activations, group, static),))
+                quantize = quantizer(name.rsplit(".", 1)[1])
+                module.register_forward_pre_hook(lambda _, args, quantize=quantize: (quantize(args[0]),))
+            elif hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):  # transformers' packed experts
+                module.forward = _experts_forward(module, quantizer("gate_proj"), quantizer("down_proj"))
     results = []
     for prompt in prompts:
         ids = list(prompt)

@@ -14,6 +14,7 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
 from tests.fp8_checkpoints import Fp8Scheme, hf_fp8_greedy, quantize_weight, write_fp8_checkpoint
+from tests.hf_oracle import load_hf_model
 from tests.test_generate_hf import mixed_prompts, run
 
 MAX_TOKENS = 10
@@ -33,6 +34,10 @@ CHECKPOINTS = {
     "ct-tensor-static": ("LlamaForCausalLM", Fp8Scheme("compressed-tensors", "tensor", "static")),
     "ct-block": ("Qwen3ForCausalLM", Fp8Scheme("compressed-tensors", "block", "dynamic", (32, 32))),
     "ct-weight-only": ("Qwen3ForCausalLM", Fp8Scheme("compressed-tensors", "channel", "none")),
+    # Qwen3-MoE (top-2 of 8 experts in every layer), its experts' projections in FP8 too.
+    "moe-fp8-block": ("Qwen3MoeForCausalLM", Fp8Scheme("fp8", "block", "dynamic", (16, 32))),
+    "moe-ct-tensor-static": ("Qwen3MoeForCausalLM", Fp8Scheme("compressed-tensors", "tensor", "static")),
+    "moe-ct-weight-only": ("Qwen3MoeForCausalLM", Fp8Scheme("compressed-tensors", "channel", "none")),
 }
 
 
@@ -52,7 +57,8 @@ def test_fp8_checkpoint_matches_the_dequantised_model(name: str, tiny_model_fact
     llm = make_llm(fp8_dir)
     layer = llm.llm_engine.model_runner.model.model.layers[0]
     assert layer.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
-    assert layer.mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    down = layer.mlp.experts.w2 if architecture == "Qwen3MoeForCausalLM" else layer.mlp.down_proj.weight
+    assert down.dtype == torch.float8_e4m3fn
     prompts = prompts_for(fp8_dir)
     assert run(llm, prompts, MAX_TOKENS) == hf_fp8_greedy(oracle_dir, scheme, prompts, MAX_TOKENS, INPUT_SCALES)
 
@@ -194,16 +200,28 @@ def test_unquantised_layers_in_an_fp8_checkpoint_are_refused(tiny_model_factory,
         make_llm(fp8_dir)
 
 
-def test_fp8_moe_is_refused(tiny_model_factory) -> None:
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        make_llm(tiny_model_factory("Qwen3MoeForCausalLM"), quantization="fp8")
+def test_online_fp8_moe_matches_per_channel_quantisation(tiny_model_factory, tmp_path) -> None:
+    """quantization="fp8" quantises the experts too, from a checkpoint of transformers' packed experts."""
+    model_dir = tiny_model_factory("Qwen3MoeForCausalLM")
+    packed_dir = str(tmp_path / "packed")
+    shutil.copytree(model_dir, packed_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    load_hf_model(model_dir).save_pretrained(packed_dir, save_original_format=False)
+    scheme = Fp8Scheme("compressed-tensors", "channel", "dynamic")
+    _, oracle_dir = write_fp8_checkpoint(model_dir, str(tmp_path / "fp8"), scheme)
+    prompts = prompts_for(model_dir)
+    llm = make_llm(packed_dir, quantization="fp8")
+    assert llm.llm_engine.model_runner.model.model.layers[0].mlp.experts.w13.dtype == torch.float8_e4m3fn
+    assert run(llm, prompts, MAX_TOKENS) == hf_fp8_greedy(oracle_dir, scheme, prompts, MAX_TOKENS)
+    with pytest.raises(ValueError, match="FP8 mixture-of-experts layers run with kernels='torch'"):
+        make_llm(packed_dir, quantization="fp8", kernels="triton")
 
 
 @pytest.mark.slow  # tensor-parallel worker processes
-def test_tensor_parallel_fp8_checkpoint(tiny_model_factory, tmp_path) -> None:
-    """TP=2 on CPU (gloo): block scales sliced with their weights give TP=1's tokens; blocks a
-    shard would cut are refused."""
-    model_dir = tiny_model_factory("Qwen3ForCausalLM")
+@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM"])
+def test_tensor_parallel_fp8_checkpoint(architecture: str, tiny_model_factory, tmp_path) -> None:
+    """TP=2 on CPU (gloo): block scales sliced with their weights (the experts' too) give TP=1's
+    tokens; blocks a shard would cut are refused."""
+    model_dir = tiny_model_factory(architecture)
     scheme = Fp8Scheme("fp8", "block", "dynamic", (16, 16))  # each rank's 16 KV rows: whole blocks
     fp8_dir, oracle_dir = write_fp8_checkpoint(model_dir, str(tmp_path / "aligned"), scheme)
     prompts = prompts_for(fp8_dir)

@@ -85,17 +85,27 @@ def quantize_activations(x: torch.Tensor, group: int | None, static_scale: torch
 
 
 class Fp8LinearMethod:
-    """The FP8 weights of one linear layer (this rank's shard, packed parts side by side) and its
-    matmul. Holds no tensors: the layer does, as parameters named as in the checkpoint."""
+    """The FP8 weights of one linear layer (this rank's shard, packed parts side by side), or of
+    one projection of every expert of a mixture-of-experts layer, and its matmul. Holds no
+    tensors: the layer does, as parameters named as in the checkpoint (`weight`,
+    `weight_scale(_inv)`, `input_scale`) or, for the experts' projection `w13` (`w2`), `w13`,
+    `w13_weight_scale(_inv)` and `w13_input_scale`."""
 
-    def __init__(self, config: Fp8Config, output_sizes: list[int], input_size: int, shard_dim: int) -> None:
+    def __init__(self, config: Fp8Config, output_sizes: list[int], input_size: int, shard_dim: int,
+                 num_experts: int | None = None, prefix: str | None = None) -> None:
         """output_sizes: this rank's rows of each packed part; input_size: this rank's columns;
-        shard_dim: the weight dimension tensor parallelism splits (0: column-, 1: row-parallel).
-        Raises ValueError where a shard would split a weight block."""
+        shard_dim: the weight dimension tensor parallelism splits (0: column-, 1: row-parallel);
+        num_experts: the weights' leading expert dimension (None: a plain layer), prefix: their
+        names' (the experts' projection). Raises ValueError where a shard would split a weight block."""
         self.config = config
         self.output_sizes = output_sizes
         self.input_size = input_size
         self.shard_dim = shard_dim
+        self.num_experts = num_experts
+        self.weight_name = prefix or "weight"
+        self.scale_name, self.input_scale_name, self.row_blocks_name, self.col_blocks_name = (
+            name if prefix is None else f"{prefix}_{name}"
+            for name in (config.weight_scale_name, "input_scale", "row_blocks", "col_blocks"))
         block = config.weight_block
         if block is not None and tp_size() > 1:
             sizes, block_size, what = ((output_sizes, block[0], "output rows") if shard_dim == 0
@@ -112,102 +122,124 @@ class Fp8LinearMethod:
         not have (quantised at load) are buffers: the loader expects every parameter from it."""
         config = self.config
         rows = sum(self.output_sizes)
-        layer.weight = nn.Parameter(torch.empty(rows, self.input_size, dtype=FP8), requires_grad=False)
+        experts = () if self.num_experts is None else (self.num_experts,)
+        setattr(layer, self.weight_name,
+                nn.Parameter(torch.empty(*experts, rows, self.input_size, dtype=FP8), requires_grad=False))
         # Ones until loaded (load_format="dummy" leaves buffers as they are).
         if config.weight_block is None:
-            scale = torch.ones(rows, dtype=torch.float32)
+            scale = torch.ones(*experts, rows, dtype=torch.float32)
         else:
             block_rows, block_cols = config.weight_block
-            scale = torch.ones(sum(_cdiv(size, block_rows) for size in self.output_sizes),
+            scale = torch.ones(*experts, sum(_cdiv(size, block_rows) for size in self.output_sizes),
                                _cdiv(self.input_size, block_cols), dtype=torch.float32)
             # Each weight row's and column's block, where a packed part's last block may be partial.
             row_blocks = torch.cat([torch.arange(size) // block_rows + sum(_cdiv(s, block_rows)
                                                                            for s in self.output_sizes[:part])
                                     for part, size in enumerate(self.output_sizes)])
-            layer.register_buffer("row_blocks", row_blocks, persistent=False)
-            layer.register_buffer("col_blocks", torch.arange(self.input_size) // block_cols, persistent=False)
+            layer.register_buffer(self.row_blocks_name, row_blocks, persistent=False)
+            layer.register_buffer(self.col_blocks_name, torch.arange(self.input_size) // block_cols,
+                                  persistent=False)
         if config.checkpoint_format is None:
-            layer.register_buffer(config.weight_scale_name, scale)
+            layer.register_buffer(self.scale_name, scale)
         else:
-            setattr(layer, config.weight_scale_name, nn.Parameter(scale, requires_grad=False))
+            setattr(layer, self.scale_name, nn.Parameter(scale, requires_grad=False))
         if config.activation_scheme == "static":
-            # The largest of the packed parts' scales (they share one input): loading takes the max.
-            layer.input_scale = nn.Parameter(torch.zeros((), dtype=torch.float32), requires_grad=False)
+            # The largest of the packed parts' (and experts') scales, which share one input scale
+            # (as vLLM): loading takes the max.
+            setattr(layer, self.input_scale_name,
+                    nn.Parameter(torch.zeros((), dtype=torch.float32), requires_grad=False))
 
     # --- loading --------------------------------------------------------------------------
 
-    def load(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, part: int) -> None:
-        """Copy this rank's slice of checkpoint tensor `loaded` (packed part `part`) into param."""
+    def owns(self, layer: nn.Module, param: nn.Parameter) -> bool:
+        """Whether param is one of this method's (an experts' layer has two methods)."""
+        return any(param is getattr(layer, name, None) for name in (self.weight_name, self.scale_name,
+                                                                      self.input_scale_name))
+
+    def load(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, part: int,
+             expert: int | None = None) -> None:
+        """Copy this rank's slice of checkpoint tensor `loaded` (packed part `part`, of expert
+        `expert` where the weights have an expert dimension) into param."""
         config = self.config
-        if param is layer.weight:
+        dest = param.data if expert is None else param.data[expert]
+        if param is getattr(layer, self.weight_name):
             if config.checkpoint_format is None:  # quantised here, from the whole rows
                 quantized, scale = quantize_rows(loaded)
-                self._copy_shard(param, quantized, part, 1)
-                self._copy_channel_scales(getattr(layer, config.weight_scale_name), scale, part)
+                self._copy_shard(dest, quantized, part, 1)
+                scales = _tensor(layer, self.scale_name)
+                self._copy_channel_scales(scales if expert is None else scales[expert], scale, part)
                 return
             if loaded.dtype != FP8:
                 raise ValueError(f"A checkpoint weight of a quantised layer is {loaded.dtype}, not float8_e4m3fn: "
                                  "minivllm runs every linear layer of the decoder in FP8, and this checkpoint leaves "
                                  "some unquantised (quantization_config ignore / modules_to_not_convert).")
-            self._copy_shard(param, loaded, part, 1)
-        elif param is getattr(layer, "input_scale", None):
+            self._copy_shard(dest, loaded, part, 1)
+        elif param is getattr(layer, self.input_scale_name, None):
             param.data = torch.maximum(param.data, loaded.float().reshape(()))
         elif config.weight_block is None:
             scale = loaded.float().flatten()
             if scale.numel() == 1:  # per tensor: the same for each of the part's rows
                 checkpoint_rows = self.output_sizes[part] * (tp_size() if self.shard_dim == 0 else 1)
                 scale = scale.expand(checkpoint_rows)
-            self._copy_channel_scales(param, scale, part)
+            self._copy_channel_scales(dest, scale, part)
         else:
             block_rows, block_cols = config.weight_block
-            self._copy_shard(param, loaded.float(), part, block_rows if self.shard_dim == 0 else block_cols)
+            self._copy_shard(dest, loaded.float(), part, block_rows if self.shard_dim == 0 else block_cols)
 
     def _copy_shard(self, dest: torch.Tensor, loaded: torch.Tensor, part: int, block: int) -> None:
         """Copy this rank's slice of a part's 2-D weight (block 1) or block scales (block: the
         weight rows or columns under one scale) into dest, along the sharded dimension."""
         if self.shard_dim == 1:
-            dest.data.copy_(loaded.narrow(1, tp_rank() * self.input_size // block, dest.shape[1]))
+            dest.copy_(loaded.narrow(1, tp_rank() * self.input_size // block, dest.shape[1]))
             return
         size = self.output_sizes[part]
         offset = sum(_cdiv(s, block) for s in self.output_sizes[:part])
         rows = _cdiv(size, block)
-        dest.data.narrow(0, offset, rows).copy_(loaded.narrow(0, tp_rank() * size // block, rows))
+        dest.narrow(0, offset, rows).copy_(loaded.narrow(0, tp_rank() * size // block, rows))
 
     def _copy_channel_scales(self, dest: torch.Tensor, scale: torch.Tensor, part: int) -> None:
         """Per-channel scales [the part's checkpoint rows]: a column-parallel rank keeps its rows'."""
         if self.shard_dim == 1:
-            dest.data.copy_(scale)
+            dest.copy_(scale)
         else:
             self._copy_shard(dest, scale, part, 1)
 
     # --- the matmul -----------------------------------------------------------------------
 
-    def dequantized_weight(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-        """The weight as the matmul sees it, [rows, input_size] in dtype."""
-        weight, scale = _tensor(layer, "weight").float(), _tensor(layer, self.config.weight_scale_name)
-        if self.config.weight_block is None:
-            return (weight * scale[:, None]).to(dtype)
-        return (weight * scale[_tensor(layer, "row_blocks")[:, None], _tensor(layer, "col_blocks")[None, :]]).to(dtype)
+    def _weights(self, layer: nn.Module, expert: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float8 weight and its scales (expert `expert`'s, where there are experts)."""
+        weight, scale = _tensor(layer, self.weight_name), _tensor(layer, self.scale_name)
+        return (weight, scale) if expert is None else (weight[expert], scale[expert])
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [..., input_size] @ weight^T (+ bias), in x's dtype."""
+    def dequantized_weight(self, layer: nn.Module, dtype: torch.dtype, expert: int | None = None) -> torch.Tensor:
+        """The weight as the matmul sees it, [rows, input_size] in dtype."""
+        weight, scale = self._weights(layer, expert)
+        if self.config.weight_block is None:
+            return (weight.float() * scale[:, None]).to(dtype)
+        row_blocks, col_blocks = _tensor(layer, self.row_blocks_name), _tensor(layer, self.col_blocks_name)
+        return (weight.float() * scale[row_blocks[:, None], col_blocks[None, :]]).to(dtype)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, expert: int | None = None
+              ) -> torch.Tensor:
+        """x [..., input_size] @ weight^T (+ bias), in x's dtype (expert `expert`'s weight, where
+        there are experts)."""
         config = self.config
         x2d = x.reshape(-1, x.shape[-1])
         if config.activation_scheme == "none":
-            y = F.linear(x2d, self.dequantized_weight(layer, x.dtype), bias)
+            y = F.linear(x2d, self.dequantized_weight(layer, x.dtype, expert), bias)
             return y.view(*x.shape[:-1], -1)
-        static_scale = _tensor(layer, "input_scale") if config.activation_scheme == "static" else None
+        static_scale = _tensor(layer, self.input_scale_name) if config.activation_scheme == "static" else None
         group = config.weight_block[1] if config.weight_block is not None else None
         x_fp8, x_scale = quantize_activations(x2d, group, static_scale)
         if x.is_cuda and config.weight_block is None:
-            weight_scale = _tensor(layer, config.weight_scale_name)
+            weight, weight_scale = self._weights(layer, expert)
             # FP8 tensor cores: row-wise scales, the activations' [M, 1] and the weight's [1, N].
-            y = torch._scaled_mm(x_fp8, _tensor(layer, "weight").t(), scale_a=x_scale.contiguous(),
-                                 scale_b=weight_scale[None, :], bias=bias, out_dtype=x.dtype)
+            y = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale.contiguous(), scale_b=weight_scale[None, :],
+                                 bias=bias, out_dtype=x.dtype)
         else:
             if group is None:
                 x_dequantized = x_fp8.float() * x_scale
             else:
-                x_dequantized = x_fp8.float() * x_scale[:, _tensor(layer, "col_blocks")]
-            y = F.linear(x_dequantized.to(x.dtype), self.dequantized_weight(layer, x.dtype), bias)
+                x_dequantized = x_fp8.float() * x_scale[:, _tensor(layer, self.col_blocks_name)]
+            y = F.linear(x_dequantized.to(x.dtype), self.dequantized_weight(layer, x.dtype, expert), bias)
         return y.view(*x.shape[:-1], -1)

@@ -20,8 +20,10 @@ from minivllm.layers.fused_moe import ExpertPart, FusedMoE
 from minivllm.models.llama import LlamaForCausalLM
 
 # model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight, or packed over the experts
-# (no expert index): model.layers.{i}.mlp.experts.{gate_up,down}_proj
-_EXPERT_TENSOR = re.compile(r"(.*\.mlp\.experts)\.(?:(\d+)\.)?(gate|up|gate_up|down)_proj(?:\.weight)?")
+# (no expert index): model.layers.{i}.mlp.experts.{gate_up,down}_proj; FP8 checkpoints add
+# each projection's weight_scale (or weight_scale_inv) and input_scale.
+_EXPERT_TENSOR = re.compile(r"(.*\.mlp\.experts)\.(?:(\d+)\.)?(gate|up|gate_up|down)_proj"
+                            r"(?:\.(weight|weight_scale|weight_scale_inv|input_scale))?")
 _W13_SHARDS = {"gate": 0, "up": 1}  # gate_up: both halves
 
 
@@ -73,7 +75,9 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         match = _EXPERT_TENSOR.fullmatch(name)
         if match is None:
             return super().checkpoint_target(name)
-        experts, expert, projection = match.groups()
+        experts, expert, projection, tensor = match.groups()
         param = "w2" if projection == "down" else "w13"
+        if tensor not in (None, "weight"):  # FusedMoE's FP8 scales: w13_weight_scale, w2_input_scale...
+            param = f"{param}_{tensor}"
         part: ExpertPart = (None if expert is None else int(expert), _W13_SHARDS.get(projection))
         return f"{experts}.{param}", part
