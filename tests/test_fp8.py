@@ -268,3 +268,11 @@ def test_scaled_mm_computes_the_reference(scheme: Fp8Scheme) -> None:
         layer.weight_loader(layer.bias, torch.randn(256, generator=torch.Generator().manual_seed(1)))
         outputs.append(layer(x.to(device)).float().cpu())
     torch.testing.assert_close(outputs[1], outputs[0], rtol=2e-2, atol=2e-2)
+
+
+def test_dummy_weights_in_fp8(tiny_model_factory) -> None:
+    """load_format="dummy" (speed tests) fills FP8 weights too; their scales stay 1."""
+    llm = make_llm(tiny_model_factory("Qwen3ForCausalLM"), load_format="dummy", quantization="fp8")
+    qkv = llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.float().abs().max() > 0 and bool((qkv.weight_scale == 1).all())
+    assert len(run(llm, [[1, 2, 3]], 4)[0]) == 4

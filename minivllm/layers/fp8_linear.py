@@ -7,11 +7,12 @@ checkpoints' names (`weight`, `weight_scale` or `weight_scale_inv`, `input_scale
 this rank's slice of them and computes the layer's matmul:
 
 - weight scales per output channel (a per-tensor scale is spread over its channels), on
-  CUDA: torch._scaled_mm, FP8 tensor cores with per-token (or static) activation scales;
-- 128x128 block scales, and every scheme off CUDA: the reference below, which quantises the
-  activations exactly as the GPU path does, dequantises the weight whole and multiplies in
-  the activation dtype (the same function; CI tests it on CPU). A block-scaled Triton GEMM
-  takes block weights' place on GPUs later.
+  CUDA in bfloat16: torch._scaled_mm, FP8 tensor cores with per-token (or static) activation
+  scales;
+- 128x128 block scales, weight-only schemes, and everything else: the reference below, which
+  quantises the activations exactly as the GPU path does, dequantises the weight whole and
+  multiplies in the activation dtype (the same function; CI tests it on CPU). A block-scaled
+  Triton GEMM takes block weights' place on GPUs later.
 """
 
 from collections.abc import Iterator
@@ -82,6 +83,12 @@ def quantize_activations(x: torch.Tensor, group: int | None, static_scale: torch
     scale = groups.abs().amax(dim=2, keepdim=True).clamp(min=MIN_SCALE) / FP8_MAX
     quantized = (groups / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(rows, -1)[:, :cols]
     return quantized, scale.squeeze(2)
+
+
+def _scaled_mm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch._scaled_mm's row-wise scaling multiplies x by weight^T: on CUDA, into bfloat16
+    (its only output type with row-wise scales), both weight dimensions multiples of 16."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
 
 
 class Fp8LinearMethod:
@@ -231,8 +238,8 @@ class Fp8LinearMethod:
         static_scale = _tensor(layer, self.input_scale_name) if config.activation_scheme == "static" else None
         group = config.weight_block[1] if config.weight_block is not None else None
         x_fp8, x_scale = quantize_activations(x2d, group, static_scale)
-        if x.is_cuda and config.weight_block is None:
-            weight, weight_scale = self._weights(layer, expert)
+        weight, weight_scale = self._weights(layer, expert)
+        if config.weight_block is None and _scaled_mm_takes(x, weight):
             # FP8 tensor cores: row-wise scales, the activations' [M, 1] and the weight's [1, N].
             y = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale.contiguous(), scale_b=weight_scale[None, :],
                                  bias=bias, out_dtype=x.dtype)
