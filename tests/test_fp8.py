@@ -13,7 +13,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
-from tests.fp8_checkpoints import Fp8Scheme, hf_fp8_greedy, quantize_weight, write_fp8_checkpoint
+from tests.fp8_checkpoints import Fp8Scheme, fake_quantize, hf_fp8_greedy, quantize_weight, write_fp8_checkpoint
 from tests.hf_oracle import load_hf_model
 from tests.test_generate_hf import mixed_prompts, run
 
@@ -92,10 +92,15 @@ def test_online_fp8_matches_per_channel_quantisation(tiny_model_factory, tmp_pat
     assert agreement >= 0.7 and mean_delta < 1.5
 
 
-def test_a_layer_slices_weights_and_scales_for_each_rank_alike() -> None:
-    """Tensor parallelism's slicing, one rank at a time (without processes): each rank's layer,
-    fed its slice of the input, gives its share of the output (all-reduced: summed)."""
-    # A unit test of Fp8LinearMethod's loading under a faked tp_rank/tp_size.
+@pytest.mark.parametrize("scheme", [Fp8Scheme("fp8", "block", "dynamic", (16, 16)),
+                                    Fp8Scheme("compressed-tensors", "channel", "dynamic"),
+                                    Fp8Scheme("compressed-tensors", "tensor", "static"),
+                                    None])  # quantised at load
+def test_a_layer_slices_weights_and_scales_for_each_rank_alike(scheme: Fp8Scheme | None) -> None:
+    """Tensor parallelism's slicing, one rank at a time (faked tp_rank and tp_size, no processes):
+    each rank's packed column-parallel layer gives its rows of the whole layer's output, and each
+    rank's row-parallel layer, fed its slice of the input, that slice's product with its columns
+    of the weight."""
     from unittest import mock
 
     from minivllm.layers import fp8_linear
@@ -103,12 +108,22 @@ def test_a_layer_slices_weights_and_scales_for_each_rank_alike() -> None:
     from minivllm.quantization import Fp8Config
 
     torch.manual_seed(0)
-    block = (16, 16)
-    config = Fp8Config("fp8", block, "dynamic")
-    scheme = Fp8Scheme("fp8", "block", "dynamic", block)
+    config = (Fp8Config(None, None, "dynamic") if scheme is None
+              else Fp8Config(scheme.checkpoint_format, scheme.block if scheme.weights == "block" else None,
+                             scheme.activations))
     q, k, v = (torch.randn(n, 64) / 8 for n in (64, 32, 32))
     o = torch.randn(64, 64) / 8
     x = torch.randn(5, 64)
+
+    def load(layer: torch.nn.Module, weight: torch.Tensor, part: int, projection: str) -> None:
+        if scheme is None:
+            layer.weight_loader(layer.weight, weight, part)
+            return
+        quantized, scale, _ = quantize_weight(weight, scheme)
+        layer.weight_loader(layer.weight, quantized, part)
+        layer.weight_loader(getattr(layer, config.weight_scale_name), scale, part)
+        if scheme.activations == "static":
+            layer.weight_loader(layer.input_scale, torch.tensor(INPUT_SCALES[projection]), part)
 
     def build(rank: int, tp: int) -> tuple[QKVParallelLinear, RowParallelLinear]:
         patches = [mock.patch(f"minivllm.layers.{module}.{name}", return_value=value)
@@ -118,13 +133,9 @@ def test_a_layer_slices_weights_and_scales_for_each_rank_alike() -> None:
         try:
             with fp8_linear.fp8_linear_layers(config):
                 qkv, row = QKVParallelLinear(64, 16, 4, 2), RowParallelLinear(64, 64)
-            for part, weight in enumerate((q, k, v)):
-                quantized, scale, _ = quantize_weight(weight, scheme)
-                qkv.weight_loader(qkv.weight, quantized, part)
-                qkv.weight_loader(qkv.weight_scale_inv, scale, part)
-            quantized, scale, _ = quantize_weight(o, scheme)
-            row.weight_loader(row.weight, quantized)
-            row.weight_loader(row.weight_scale_inv, scale)
+            for part, (weight, projection) in enumerate(zip((q, k, v), ("q_proj", "k_proj", "v_proj"))):
+                load(qkv, weight, part, projection)
+            load(row, o, 0, "o_proj")
         finally:
             for patch in patches:
                 patch.stop()
@@ -136,8 +147,15 @@ def test_a_layer_slices_weights_and_scales_for_each_rank_alike() -> None:
              for rank in range(2)]
     for rank, (qkv, _) in enumerate(shards):
         torch.testing.assert_close(qkv(x), heads[rank], rtol=1e-6, atol=1e-6)
-    partial = sum(row(x.chunk(2, dim=-1)[rank]) for rank, (_, row) in enumerate(shards))
-    torch.testing.assert_close(partial, whole_row(x), rtol=1e-5, atol=1e-5)
+    # A row-parallel rank quantises its own slice of the input (per token: with its own scales, as
+    # vLLM's ranks do), and multiplies by its columns of the weight.
+    weights = scheme or Fp8Scheme("compressed-tensors", "channel", "dynamic")  # what quantization="fp8" does
+    o_dequantized = quantize_weight(o, weights)[2]
+    group = weights.block[1] if weights.weights == "block" else None
+    for row, columns in [(whole_row, slice(0, 64))] + [(row, slice(32 * r, 32 * r + 32)) for r, (_, row) in
+                                                      enumerate(shards)]:
+        x_rounded = fake_quantize(x[:, columns], weights.activations, group, INPUT_SCALES["o_proj"])
+        torch.testing.assert_close(row(x[:, columns]), x_rounded @ o_dequantized[:, columns].T, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("quantization_config,error", [
