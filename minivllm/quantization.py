@@ -14,9 +14,11 @@ Two checkpoint formats:
 output channel (vLLM's default is one per tensor; a channel's own scale loses less), and
 activations dynamically per token.
 
-The LM head, embeddings, norms and the MoE router stay in the model's dtype, as in vLLM.
+The LM head, embeddings, norms and the MoE router stay in the model's dtype, as in vLLM, and so
+do the modules a checkpoint's ignore list names.
 """
 
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -42,6 +44,14 @@ class Fp8Config:
     # weights) quantised with their own scale at every forward; "static": with the checkpoint's
     # per-tensor input_scale; "none": activations stay in the model dtype (weight-only FP8).
     activation_scheme: ActivationScheme
+    # Modules the checkpoint leaves in 16/32 bits (compressed-tensors' ignore, the fp8 format's
+    # ignored_layers or modules_to_not_convert): names, or "re:" and a regular expression.
+    ignored: tuple[str, ...] = ()
+
+    def ignores(self, module: str) -> bool:
+        """Whether the checkpoint leaves the module (a checkpoint name: model.layers.0.mlp.down_proj) unquantised."""
+        return any(re.match(entry[3:], module) if entry.startswith("re:") else entry == module
+                   for entry in self.ignored)
 
     @property
     def weight_scale_name(self) -> str:
@@ -86,12 +96,13 @@ def _fp8_format(checkpoint: dict[str, Any]) -> Fp8Config:
     if checkpoint.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"quantization_config fmt {checkpoint['fmt']!r} is not supported: FP8 weights are e4m3.")
     block = checkpoint.get("weight_block_size")
+    ignored = tuple(checkpoint.get("ignored_layers") or checkpoint.get("modules_to_not_convert") or ())
     if block is None:
-        return Fp8Config("fp8", None, activation)
+        return Fp8Config("fp8", None, activation, ignored)
     if activation != "dynamic":
         raise ValueError("quantization_config weight_block_size needs activation_scheme 'dynamic' "
                          f"(got {activation!r}), as in vLLM.")
-    return Fp8Config("fp8", _block_shape(block, "weight_block_size"), "dynamic")
+    return Fp8Config("fp8", _block_shape(block, "weight_block_size"), "dynamic", ignored)
 
 
 def _block_shape(block: object, field: str) -> tuple[int, int]:
@@ -115,7 +126,9 @@ def _compressed_tensors_format(checkpoint: dict[str, Any]) -> Fp8Config:
     if len(schemes) > 1:
         raise ValueError(f"compressed-tensors config_groups {', '.join(sorted(groups))} use different schemes: "
                          "minivllm runs one FP8 scheme for every linear layer.")
-    return schemes.pop()
+    scheme = schemes.pop()
+    return Fp8Config(scheme.checkpoint_format, scheme.weight_block, scheme.activation_scheme,
+                     tuple(checkpoint.get("ignore") or ()))
 
 
 def _compressed_tensors_group(name: str, group: dict[str, Any]) -> Fp8Config:

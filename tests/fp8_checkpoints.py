@@ -12,7 +12,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +36,12 @@ class Fp8Scheme:
     block: tuple[int, int] = (128, 128)
 
 
-def quantization_config(scheme: Fp8Scheme) -> dict:
-    """config.json's quantization_config, as the published checkpoints write it."""
+def quantization_config(scheme: Fp8Scheme, ignore: list[str]) -> dict:
+    """config.json's quantization_config, as the published checkpoints write it; ignore: the
+    modules left unquantised (names, or "re:" regular expressions) besides the LM head."""
     if scheme.checkpoint_format == "fp8":
-        config: dict = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": scheme.activations}
+        config: dict = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": scheme.activations,
+                        "modules_to_not_convert": ["lm_head", *ignore]}
         if scheme.weights == "block":
             config["weight_block_size"] = list(scheme.block)
         return config
@@ -53,7 +55,7 @@ def quantization_config(scheme: Fp8Scheme) -> dict:
     elif scheme.activations == "static":
         inputs = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}
     return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-            "ignore": ["lm_head"], "kv_cache_scheme": None,
+            "ignore": ["lm_head", *ignore], "kv_cache_scheme": None,
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
                                           "output_activations": None}}}
 
@@ -87,10 +89,12 @@ def quantize_weight(weight: torch.Tensor, scheme: Fp8Scheme) -> tuple[torch.Tens
     return quantized, scale, quantized.float() * full
 
 
-def write_fp8_checkpoint(model_dir: str, out_dir: str, scheme: Fp8Scheme, input_scales: dict[str, float] | None = None
-                         ) -> tuple[str, str]:
+def write_fp8_checkpoint(model_dir: str, out_dir: str, scheme: Fp8Scheme, input_scales: dict[str, float] | None = None,
+                         ignored: Collection[str] = (), ignore: list[str] | None = None) -> tuple[str, str]:
     """Write model_dir's FP8 checkpoint to out_dir/fp8 and its dequantised oracle to out_dir/oracle
-    (returned). input_scales: static activation scales by projection name (q_proj...)."""
+    (returned). input_scales: static activation scales by projection name (q_proj...); ignored:
+    modules left unquantised (model.layers.0.mlp.down_proj), which the config's ignore list names
+    (as ignore says, when given)."""
     fp8_dir, oracle_dir = os.path.join(out_dir, "fp8"), os.path.join(out_dir, "oracle")
     for path in (fp8_dir, oracle_dir):
         shutil.copytree(model_dir, path)
@@ -99,10 +103,10 @@ def write_fp8_checkpoint(model_dir: str, out_dir: str, scheme: Fp8Scheme, input_
     scale_name = "weight_scale_inv" if block_fp8 else "weight_scale"
     quantized, dequantized = {}, {}
     for name, tensor in tensors.items():
-        if not QUANTIZED.fullmatch(name):
+        prefix = name.removesuffix(".weight")
+        if not QUANTIZED.fullmatch(name) or prefix in ignored:
             quantized[name] = dequantized[name] = tensor
             continue
-        prefix = name.removesuffix(".weight")
         quantized[name], quantized[f"{prefix}.{scale_name}"], dequantized[name] = quantize_weight(tensor, scheme)
         if scheme.activations == "static":
             assert input_scales is not None
@@ -113,7 +117,7 @@ def write_fp8_checkpoint(model_dir: str, out_dir: str, scheme: Fp8Scheme, input_
     config_path = os.path.join(fp8_dir, "config.json")
     with open(config_path) as f:
         config = json.load(f)
-    config["quantization_config"] = quantization_config(scheme)
+    config["quantization_config"] = quantization_config(scheme, list(ignored) if ignore is None else ignore)
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2)
     return fp8_dir, oracle_dir
@@ -150,9 +154,9 @@ def _experts_forward(experts: torch.nn.Module, quantize_input: Callable[[torch.T
 
 @torch.no_grad()
 def hf_fp8_greedy(oracle_dir: str, scheme: Fp8Scheme, prompts: list[list[int]], max_tokens: int,
-                  input_scales: dict[str, float] | None = None) -> list[list[int]]:
+                  input_scales: dict[str, float] | None = None, ignored: Collection[str] = ()) -> list[list[int]]:
     """Greedy tokens of the dequantised model in transformers (float32), each quantised layer's
-    input rounded to FP8 as the scheme says."""
+    input (not the ignored modules') rounded to FP8 as the scheme says."""
     model = AutoModelForCausalLM.from_pretrained(oracle_dir, dtype=torch.float32).eval()
     if scheme.activations != "none":
         group = scheme.block[1] if scheme.weights == "block" else None
@@ -164,7 +168,7 @@ def hf_fp8_greedy(oracle_dir: str, scheme: Fp8Scheme, prompts: list[list[int]], 
             return lambda x: fake_quantize(x, scheme.activations, group, static)
 
         for name, module in model.named_modules():
-            if QUANTIZED.fullmatch(f"{name}.weight"):
+            if QUANTIZED.fullmatch(f"{name}.weight") and name not in ignored:
                 quantize = quantizer(name.rsplit(".", 1)[1])
                 module.register_forward_pre_hook(lambda _, args, quantize=quantize: (quantize(args[0]),))
             elif hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):  # transformers' packed experts

@@ -203,8 +203,32 @@ def test_quantization_argument_is_checked(tiny_model_factory, tmp_path) -> None:
     assert EngineConfig(fp8_dir, quantization="fp8").fp8_config == EngineConfig(fp8_dir).fp8_config
 
 
+@pytest.mark.parametrize("checkpoint_format", ["compressed-tensors", "fp8"])
+def test_layers_the_checkpoint_leaves_unquantised(checkpoint_format: str, tiny_model_factory, tmp_path) -> None:
+    """Modules an FP8 checkpoint's ignore list (modules_to_not_convert) names, by name or regular
+    expression, stay in the model dtype."""
+    ignored = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+               "model.layers.0.self_attn.v_proj", "model.layers.1.mlp.down_proj"]
+    ignore = ignored[:3] + [r"re:.*layers\.1\.mlp\.down_proj$"]
+    scheme = Fp8Scheme(checkpoint_format, "block" if checkpoint_format == "fp8" else "channel", "dynamic", (32, 32))
+    fp8_dir, oracle_dir = write_fp8_checkpoint(tiny_model_factory("Qwen3ForCausalLM"), str(tmp_path), scheme,
+                                               ignored=ignored, ignore=ignore)
+    llm = make_llm(fp8_dir)
+    layers = llm.llm_engine.model_runner.model.model.layers
+    assert layers[0].self_attn.qkv_proj.weight.dtype == layers[1].mlp.down_proj.weight.dtype == torch.float32
+    assert layers[0].mlp.down_proj.weight.dtype == layers[1].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    prompts = prompts_for(fp8_dir)
+    assert run(llm, prompts, MAX_TOKENS) == hf_fp8_greedy(oracle_dir, scheme, prompts, MAX_TOKENS, ignored=ignored)
+    # Part of a packed layer left unquantised: refused.
+    part_dir, _ = write_fp8_checkpoint(tiny_model_factory("Qwen3ForCausalLM"), str(tmp_path / "part"), scheme,
+                                       ignored=ignored[1:2])
+    with pytest.raises(ValueError, match=re.escape("leaves model.layers.0.self_attn.k_proj unquantised but not "
+                                                   "model.layers.0.self_attn.q_proj")):
+        make_llm(part_dir)
+
+
 def test_unquantised_layers_in_an_fp8_checkpoint_are_refused(tiny_model_factory, tmp_path) -> None:
-    """A checkpoint that leaves a decoder layer in 16/32 bits (an ignore list) fails at load, by name."""
+    """A checkpoint weight in 16/32 bits that the ignore list does not name fails at load."""
     model_dir = tiny_model_factory("Qwen3ForCausalLM")
     fp8_dir, oracle_dir = write_fp8_checkpoint(model_dir, str(tmp_path), Fp8Scheme("compressed-tensors", "channel",
                                                                                   "dynamic"))
@@ -214,7 +238,7 @@ def test_unquantised_layers_in_an_fp8_checkpoint_are_refused(tiny_model_factory,
     name = "model.layers.1.mlp.down_proj.weight"
     tensors[name] = load_file(os.path.join(oracle_dir, "model.safetensors"))[name]
     save_file(tensors, path)
-    with pytest.raises(ValueError, match="leaves some unquantised"):
+    with pytest.raises(ValueError, match="does not leave its layer unquantised"):
         make_llm(fp8_dir)
 
 

@@ -15,7 +15,7 @@ this rank's slice of them and computes the layer's matmul:
   Triton GEMM takes block weights' place on GPUs later.
 """
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -44,9 +44,23 @@ def fp8_linear_layers(config: Fp8Config | None) -> Iterator[None]:
         _BUILDING.reset(token)
 
 
-def building_fp8() -> Fp8Config | None:
-    """The FP8 scheme of the layers being built now (fp8_linear_layers), or None."""
-    return _BUILDING.get()
+def building_fp8(checkpoint_names: Sequence[str] = ()) -> Fp8Config | None:
+    """The FP8 scheme of the layer being built now (fp8_linear_layers), whose checkpoint modules
+    (a packed layer's parts) are checkpoint_names; None: unquantised, without a scheme or where
+    the checkpoint leaves the modules so (Fp8Config.ignores). Raises ValueError where it leaves
+    some of a packed layer's modules so but not all."""
+    config = _BUILDING.get()
+    if config is None or not checkpoint_names:
+        return config
+    ignored = [name for name in checkpoint_names if config.ignores(name)]
+    if not ignored:
+        return config
+    if len(ignored) < len(checkpoint_names):
+        quantized = [name for name in checkpoint_names if name not in ignored]
+        raise ValueError(f"The checkpoint's quantization_config leaves {ignored[0]} unquantised but not "
+                         f"{quantized[0]}, which minivllm packs into one layer with it: that layer is in FP8 "
+                         "or not as a whole.")
+    return None
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -177,9 +191,9 @@ class Fp8LinearMethod:
                 self._copy_channel_scales(scales if expert is None else scales[expert], scale, part)
                 return
             if loaded.dtype != FP8:
-                raise ValueError(f"A checkpoint weight of a quantised layer is {loaded.dtype}, not float8_e4m3fn: "
-                                 "minivllm runs every linear layer of the decoder in FP8, and this checkpoint leaves "
-                                 "some unquantised (quantization_config ignore / modules_to_not_convert).")
+                raise ValueError(f"A checkpoint weight is {loaded.dtype}, not float8_e4m3fn, though the checkpoint's "
+                                 "quantization_config does not leave its layer unquantised (ignore, ignored_layers "
+                                 "or modules_to_not_convert): the weights do not match config.json.")
             self._copy_shard(dest, loaded, part, 1)
         elif param is getattr(layer, self.input_scale_name, None):
             param.data = torch.maximum(param.data, loaded.float().reshape(()))

@@ -29,13 +29,18 @@ class FusedMoE(CustomOp):
     """forward(hidden [T, H], topk_weights (float32) and topk_ids [T, k]) -> [T, H], summed over
     ranks: kernels/fused_moe.py's grouped GEMMs with Triton, a loop over the experts in torch."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, prefix: str | None = None
+                 ) -> None:
+        """prefix: the checkpoint's experts module (model.layers.0.mlp.experts), whose experts an FP8
+        checkpoint may leave unquantised (all of them, or none)."""
         super().__init__()
         assert intermediate_size % tp_size() == 0, "moe_intermediate_size not divisible by tp size"
         self.local_intermediate = intermediate_size // tp_size()
         # w13[e]: expert e's gate rows then up rows; w2[e]: its down projection. This rank's
         # slice of the intermediate dimension only.
-        fp8_config = building_fp8()
+        fp8_config = building_fp8(() if prefix is None else [f"{prefix}.{expert}.{projection}_proj"
+                                                               for expert in range(num_experts)
+                                                               for projection in ("gate", "up", "down")])
         if fp8_config is None:
             self.fp8 = None
             self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local_intermediate, hidden_size),

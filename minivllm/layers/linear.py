@@ -72,7 +72,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use
 
 
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 checkpoint_names: list[str] | None = None) -> None:
+        """checkpoint_names: the checkpoint's modules packed here (model.layers.0.self_attn.q_proj...),
+        which an FP8 checkpoint may leave unquantised."""
         super().__init__()
         # choose_small_batch_kernels decides both, once the weight is loaded.
         self.use_skinny = self.use_batch_matmul = False
@@ -80,7 +83,7 @@ class ColumnParallelLinear(nn.Module):
         assert all(size % tp == 0 for size in output_sizes), "output size not divisible by tp size"
         # Local (per-rank) size of each packed part, in checkpoint order.
         self.local_sizes = [size // tp for size in output_sizes]
-        fp8_config = building_fp8()
+        fp8_config = building_fp8(checkpoint_names or ())
         self.fp8 = None if fp8_config is None else Fp8LinearMethod(fp8_config, self.local_sizes, input_size, 0)
         if self.fp8 is None:
             self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), input_size), requires_grad=False)
@@ -108,9 +111,10 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Packed q, k, v projections (checkpoint parts 0, 1, 2)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False) -> None:
-        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim,
-                                       num_kv_heads * head_dim], bias)
+                 bias: bool = False, prefix: str | None = None) -> None:
+        """prefix: the checkpoint's attention module (model.layers.0.self_attn)."""
+        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias,
+                         None if prefix is None else [f"{prefix}.{name}" for name in ("q_proj", "k_proj", "v_proj")])
 
 
 class GateUpParallelLinear(ColumnParallelLinear):
@@ -119,8 +123,10 @@ class GateUpParallelLinear(ColumnParallelLinear):
     batch_matmul take one launch for both and the activation (their *_silu_and_mul), bit for
     bit the same."""
 
-    def __init__(self, input_size: int, intermediate_size: int) -> None:
-        super().__init__(input_size, [intermediate_size, intermediate_size])  # no bias (LlamaMLP refuses one)
+    def __init__(self, input_size: int, intermediate_size: int, prefix: str | None = None) -> None:
+        """prefix: the checkpoint's MLP module (model.layers.0.mlp)."""
+        super().__init__(input_size, [intermediate_size, intermediate_size],  # no bias (LlamaMLP refuses one)
+                         checkpoint_names=None if prefix is None else [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,18 +143,19 @@ class GateUpParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 feeds_add_norm: bool = False) -> None:
+                 feeds_add_norm: bool = False, checkpoint_name: str | None = None) -> None:
         """feeds_add_norm: the layer's output goes straight into an RMSNorm's residual add, so it
         is a LinearOutput. Built with the Triton kernels (use_triton_kernels), on one rank and
         without a bias, the layer then has partial_sums: its small and mid-sized batches return
         skinny_matmul's or batch_matmul's split-K partial sums, which the fused add-RMSNorm adds
-        up itself."""
+        up itself. checkpoint_name: the checkpoint's module (model.layers.0.mlp.down_proj), which an
+        FP8 checkpoint may leave unquantised."""
         super().__init__()
         # choose_small_batch_kernels decides both, once the weight is loaded.
         self.use_skinny = self.use_batch_matmul = False
         assert input_size % tp_size() == 0, "input size not divisible by tp size"
         self.local_input_size = input_size // tp_size()
-        fp8_config = building_fp8()
+        fp8_config = building_fp8([checkpoint_name] if checkpoint_name else ())
         self.fp8 = (None if fp8_config is None
                     else Fp8LinearMethod(fp8_config, [output_size], self.local_input_size, 1))
         self.partial_sums = (feeds_add_norm and triton_kernels_enabled() and tp_size() == 1 and not bias

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from minivllm.layers.fused_moe import ExpertPart, FusedMoE
-from minivllm.models.llama import LlamaForCausalLM
+from minivllm.models.llama import LlamaForCausalLM, layer_prefix
 
 # model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight, or packed over the experts
 # (no expert index): model.layers.{i}.mlp.experts.{gate_up,down}_proj; FP8 checkpoints add
@@ -47,13 +47,15 @@ class TopKRouter(nn.Module):
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, prefix: str) -> None:
+        """prefix: the block's checkpoint name (model.layers.0.mlp)."""
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu').")
         self.gate = TopKRouter(config.hidden_size, config.num_experts, config.num_experts_per_tok,
                                config.norm_topk_prob)
-        self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                                f"{prefix}.experts")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.experts(hidden, *self.gate(hidden))
@@ -68,7 +70,7 @@ def _is_sparse_layer(config: PretrainedConfig, layer_idx: int) -> bool:
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     def make_mlp(self, layer_idx: int) -> nn.Module:
         if _is_sparse_layer(self.config, layer_idx):
-            return Qwen3MoeSparseMoeBlock(self.config)
+            return Qwen3MoeSparseMoeBlock(self.config, f"{layer_prefix(layer_idx)}.mlp")
         return super().make_mlp(layer_idx)
 
     def checkpoint_target(self, name: str) -> tuple[str, object]:
