@@ -318,3 +318,22 @@ def test_dummy_weights_in_fp8(tiny_model_factory) -> None:
     qkv = llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.float().abs().max() > 0 and bool((qkv.weight_scale == 1).all())
     assert len(run(llm, [[1, 2, 3]], 4)[0]) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fp8-block", "ct-channel-dynamic"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: torch._scaled_mm for per-channel scales
+def test_fp8_checkpoint_on_the_gpu(name: str, dtype: str, tiny_model_factory, tmp_path) -> None:
+    """FP8 layers in the GPU engine (Triton kernels, CUDA graphs): the graphs replay what eager steps
+    compute, and in float32 the tokens are the oracle's (GPU matmuls round otherwise than the CPU's,
+    which may move an activation across an FP8 rounding boundary: most prompts, not all)."""
+    architecture, scheme = CHECKPOINTS[name]
+    fp8_dir, oracle_dir = write_fp8_checkpoint(tiny_model_factory(architecture), str(tmp_path), scheme, INPUT_SCALES)
+    prompts = prompts_for(fp8_dir)
+    kwargs = {"dtype": dtype, "gpu_memory_utilization": 0.3, "max_num_seqs": 16}
+    graphs, eager = (run(make_llm(fp8_dir, enforce_eager=eager, **kwargs), prompts, MAX_TOKENS)
+                     for eager in (False, True))
+    assert graphs == eager
+    if dtype == "float32":
+        want = hf_fp8_greedy(oracle_dir, scheme, prompts, MAX_TOKENS, INPUT_SCALES)
+        assert sum(got == expected for got, expected in zip(graphs, want)) >= 0.8 * len(prompts)
