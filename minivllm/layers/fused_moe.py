@@ -56,7 +56,7 @@ class FusedMoE(CustomOp):
                         Fp8LinearMethod(fp8_config, [hidden_size], size, 1, num_experts, "w2"))
             for method in self.fp8:
                 method.create_weights(self)
-            self._forward_method = type(self).forward_fp8
+            self._forward_method = type(self).forward_fp8  # instead of forward_native (torch, as checked above)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: ExpertPart) -> None:
         """Copy this rank's slice of a checkpoint tensor into param (w13 or w2, or an FP8 scale),
