@@ -197,6 +197,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"],
                         help="'fp8': an FP8 (e4m3) KV cache")
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="'fp8': FP8 weights, quantised at load (a checkpoint's own FP8 weights need no flag)")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="shrink the workload (requests and lengths) for CPU smoke runs")
     parser.add_argument("--json-out", default=None, help="append one JSON result line to this file")
@@ -209,7 +211,7 @@ def engine_kwargs(args: argparse.Namespace, spec: ModelSpec) -> dict[str, Any]:
                               "load_format": spec.load_format, "enforce_eager": args.enforce_eager,
                               "seed": 0}
     optional = ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-                "tensor_parallel_size", "block_size", "kv_cache_dtype")
+                "tensor_parallel_size", "block_size", "kv_cache_dtype", "quantization")
     kwargs.update({k: getattr(args, k) for k in optional if getattr(args, k) is not None})
     return kwargs
 

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from minivllm.quantization import Fp8Config, resolve_fp8_config
 from minivllm.reasoning import reasoning_parser_class
 
 _DTYPES = {
@@ -111,6 +112,9 @@ class EngineConfig:
     # graphs). "auto": triton on cuda, torch on cpu.
     kernels: str = "auto"
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" (or "fp8_e4m3"): float8 e4m3
+    # None: the checkpoint's quantization_config, if any; "fp8": FP8 weights, quantised at load from a
+    # 16/32-bit checkpoint (quantization.py says which schemes run).
+    quantization: str | None = None
     # Splits reasoning from answers (minivllm.reasoning): the server's `reasoning` field, and where
     # constrained decoding starts. A name of REASONING_PARSERS, or None.
     reasoning_parser: str | None = None
@@ -120,6 +124,7 @@ class EngineConfig:
     hf_config: PretrainedConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
     kv_cache_torch_dtype: torch.dtype = field(init=False)
+    fp8_config: Fp8Config | None = field(init=False)  # the linear layers' FP8 scheme, or None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs_config, dict):
@@ -131,6 +136,7 @@ class EngineConfig:
             self.kernels = "triton" if self.device == "cuda" else "torch"
         self.torch_dtype = self._resolve_dtype()
         self.kv_cache_torch_dtype = self._resolve_kv_cache_dtype()
+        self.fp8_config = resolve_fp8_config(self.hf_config, self.quantization)
         self._resolve_lengths()
         self._validate()
 

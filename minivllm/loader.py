@@ -75,7 +75,7 @@ def load_named_tensors(model: LlamaForCausalLM, tensors: NamedTensors, source: s
         # Sharded and packed layers know where their slice of a tensor goes.
         owner = model.get_submodule(target.rsplit(".", 1)[0])
         loader = getattr(owner, "weight_loader", _default_weight_loader)
-        loader(param, tensor.to(param.dtype), part)
+        loader(param, tensor, part)  # each loader converts (an FP8 layer's reads float8 and scales)
         loaded_names.add(target)
     missing = set(params) - loaded_names
     if tied:
@@ -87,9 +87,13 @@ def load_named_tensors(model: LlamaForCausalLM, tensors: NamedTensors, source: s
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Small random weights, as vLLM's load_format='dummy': for speed tests, not for text."""
     for name, param in model.named_parameters():
-        if "norm" in name:
+        if "norm" in name or name.endswith(("scale", "scale_inv")):  # FP8 layers' scales: 1
             param.data.fill_(1.0)
         else:
             generator = torch.Generator(device=param.device).manual_seed(seed)
-            param.data.uniform_(-1e-3, 1e-3, generator=generator)
+            if param.dtype == torch.float8_e4m3fn:  # no float8 random numbers: drawn in float32
+                values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+                param.data.copy_(values.uniform_(-1e-3, 1e-3, generator=generator))
+            else:
+                param.data.uniform_(-1e-3, 1e-3, generator=generator)
             seed += 1

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from minivllm.config import EngineConfig
+from minivllm.quantization import QUANTIZATION_METHODS
 from minivllm.reasoning import REASONING_PARSERS
 from minivllm.sampling_params import SamplingParams
 from minivllm.tool_parsers import TOOL_PARSERS
@@ -43,7 +44,14 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="context length (default: the model's max_position_embeddings)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="shard the model over this many GPUs")
     _add_device_argument(parser)
+    _add_quantization_argument(parser)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+
+
+def _add_quantization_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                        help="fp8: FP8 weights, quantised at load from a 16/32-bit checkpoint (default: the "
+                             "checkpoint's own quantization_config, if any)")
 
 
 def _add_device_argument(parser: argparse.ArgumentParser) -> None:
@@ -79,7 +87,8 @@ def _generate(args: argparse.Namespace) -> None:
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
                             ignore_eos=args.ignore_eos)
     llm = LLM(model, dtype=args.dtype, max_model_len=args.max_model_len,
-              tensor_parallel_size=args.tensor_parallel_size, device=args.device, enforce_eager=args.enforce_eager)
+              tensor_parallel_size=args.tensor_parallel_size, device=args.device, enforce_eager=args.enforce_eager,
+              quantization=args.quantization)
     if chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
@@ -137,6 +146,7 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="tokens per KV-cache block (the prefix cache reuses whole blocks)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                         help="'fp8': the KV cache in float8 e4m3, twice the tokens in the same memory")
+    _add_quantization_argument(parser)
     parser.add_argument("--seed", type=int, default=0,
                         help="seed for sampling without a per-request seed, and for dummy weights")
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],

@@ -31,6 +31,7 @@ from minivllm.executor.persistent_batch import PersistentBatch, PromptLogprobRow
 from minivllm.executor.step_inputs import CASCADE_MIN_SEQS, ModelInputs, StepInputs, prepare_step_inputs
 from minivllm.layers.attention import AttentionBackend
 from minivllm.layers.custom_op import use_triton_kernels
+from minivllm.layers.fp8_linear import fp8_linear_layers
 from minivllm.layers.linear import choose_small_batch_kernels
 from minivllm.layers.sampler import Sampler, SamplingMetadata, apply_token_bitmask, gather_logprobs, to_device
 from minivllm.loader import init_dummy_weights, load_weights
@@ -122,7 +123,8 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device), use_triton_kernels(config.kernels == "triton"):
+            with (torch.device(self.device), use_triton_kernels(config.kernels == "triton"),
+                  fp8_linear_layers(config.fp8_config)):
                 self.model = build_model(hf_config, config.max_model_len)
                 self.sampler = Sampler()
         finally:

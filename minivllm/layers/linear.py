@@ -2,7 +2,9 @@
 
 Column-parallel layers split the output features across ranks; row-parallel layers
 split the input features and all-reduce. Packed layers (qkv, gate_up) load several
-checkpoint tensors into one weight, each into its own slice.
+checkpoint tensors into one weight, each into its own slice. Built under fp8_linear_layers
+(layers/fp8_linear.py), a layer holds FP8 weights and scales instead, which its
+Fp8LinearMethod (`fp8`) loads and multiplies by.
 """
 
 from types import ModuleType
@@ -15,6 +17,7 @@ from torch import nn
 from minivllm.distributed import all_reduce, tp_rank, tp_size
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.custom_op import triton_kernels_enabled
+from minivllm.layers.fp8_linear import Fp8LinearMethod, building_fp8
 
 if TYPE_CHECKING:  # a type only: the torch path imports nothing from kernels/
     from minivllm.kernels.split_k import SplitKPartials
@@ -69,7 +72,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use
 
 
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 checkpoint_names: list[str] | None = None) -> None:
+        """checkpoint_names: the checkpoint's modules packed here (model.layers.0.self_attn.q_proj...),
+        which an FP8 checkpoint may leave unquantised."""
         super().__init__()
         # choose_small_batch_kernels decides both, once the weight is loaded.
         self.use_skinny = self.use_batch_matmul = False
@@ -77,17 +83,27 @@ class ColumnParallelLinear(nn.Module):
         assert all(size % tp == 0 for size in output_sizes), "output size not divisible by tp size"
         # Local (per-rank) size of each packed part, in checkpoint order.
         self.local_sizes = [size // tp for size in output_sizes]
-        self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), input_size), requires_grad=False)
+        fp8_config = building_fp8(checkpoint_names or ())
+        self.fp8 = None if fp8_config is None else Fp8LinearMethod(fp8_config, self.local_sizes, input_size, 0)
+        if self.fp8 is None:
+            self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), input_size), requires_grad=False)
+        else:
+            self.fp8.create_weights(self)
         self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)), requires_grad=False) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: int = 0) -> None:
         """Copy this rank's rows of checkpoint tensor number `part` into its slice."""
+        if self.fp8 is not None and param is not self.bias:
+            self.fp8.load(self, param, loaded, part)
+            return
         size = self.local_sizes[part]
         offset = sum(self.local_sizes[:part])
         shard = loaded.narrow(0, tp_rank() * size, size)
         param.data.narrow(0, offset, size).copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return self.fp8.apply(self, x, self.bias)
         return linear(x, self.weight, self.bias, self.use_skinny, self.use_batch_matmul)
 
 
@@ -95,9 +111,10 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Packed q, k, v projections (checkpoint parts 0, 1, 2)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False) -> None:
-        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim,
-                                       num_kv_heads * head_dim], bias)
+                 bias: bool = False, prefix: str | None = None) -> None:
+        """prefix: the checkpoint's attention module (model.layers.0.self_attn)."""
+        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias,
+                         None if prefix is None else [f"{prefix}.{name}" for name in ("q_proj", "k_proj", "v_proj")])
 
 
 class GateUpParallelLinear(ColumnParallelLinear):
@@ -106,11 +123,15 @@ class GateUpParallelLinear(ColumnParallelLinear):
     batch_matmul take one launch for both and the activation (their *_silu_and_mul), bit for
     bit the same."""
 
-    def __init__(self, input_size: int, intermediate_size: int) -> None:
-        super().__init__(input_size, [intermediate_size, intermediate_size])  # no bias (LlamaMLP refuses one)
+    def __init__(self, input_size: int, intermediate_size: int, prefix: str | None = None) -> None:
+        """prefix: the checkpoint's MLP module (model.layers.0.mlp)."""
+        super().__init__(input_size, [intermediate_size, intermediate_size],  # no bias (LlamaMLP refuses one)
+                         checkpoint_names=None if prefix is None else [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return self.act(self.fp8.apply(self, x, None))
         kernel = small_batch_kernel(x, self.use_skinny, self.use_batch_matmul)
         if kernel is None:
             return self.act(F.linear(x, self.weight))
@@ -122,22 +143,33 @@ class GateUpParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 feeds_add_norm: bool = False) -> None:
+                 feeds_add_norm: bool = False, checkpoint_name: str | None = None) -> None:
         """feeds_add_norm: the layer's output goes straight into an RMSNorm's residual add, so it
         is a LinearOutput. Built with the Triton kernels (use_triton_kernels), on one rank and
         without a bias, the layer then has partial_sums: its small and mid-sized batches return
         skinny_matmul's or batch_matmul's split-K partial sums, which the fused add-RMSNorm adds
-        up itself."""
+        up itself. checkpoint_name: the checkpoint's module (model.layers.0.mlp.down_proj), which an
+        FP8 checkpoint may leave unquantised."""
         super().__init__()
         # choose_small_batch_kernels decides both, once the weight is loaded.
         self.use_skinny = self.use_batch_matmul = False
-        self.partial_sums = feeds_add_norm and triton_kernels_enabled() and tp_size() == 1 and not bias
         assert input_size % tp_size() == 0, "input size not divisible by tp size"
         self.local_input_size = input_size // tp_size()
-        self.weight = nn.Parameter(torch.empty(output_size, self.local_input_size), requires_grad=False)
+        fp8_config = building_fp8([checkpoint_name] if checkpoint_name else ())
+        self.fp8 = (None if fp8_config is None
+                    else Fp8LinearMethod(fp8_config, [output_size], self.local_input_size, 1))
+        self.partial_sums = (feeds_add_norm and triton_kernels_enabled() and tp_size() == 1 and not bias
+                             and self.fp8 is None)
+        if self.fp8 is None:
+            self.weight = nn.Parameter(torch.empty(output_size, self.local_input_size), requires_grad=False)
+        else:
+            self.fp8.create_weights(self)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: int = 0) -> None:
+        if self.fp8 is not None and param is not self.bias:
+            self.fp8.load(self, param, loaded, part)
+            return
         if param.dim() == 2:
             loaded = loaded.narrow(1, tp_rank() * self.local_input_size, self.local_input_size)
         param.data.copy_(loaded)
@@ -145,7 +177,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> LinearOutput:
         if self.partial_sums:  # one rank and no bias: nothing to reduce or add
             return linear(x, self.weight, None, self.use_skinny, self.use_batch_matmul, partial_sums=True)
-        y = linear(x, self.weight, None, self.use_skinny, self.use_batch_matmul)
+        if self.fp8 is not None:
+            y = self.fp8.apply(self, x, None)
+        else:
+            y = linear(x, self.weight, None, self.use_skinny, self.use_batch_matmul)
         # The bias is added once, after the reduction, not on every rank.
         y = all_reduce(y)
         return y + self.bias if self.bias is not None else y
@@ -157,7 +192,8 @@ def choose_small_batch_kernels(model: nn.Module) -> None:
     only: skinny_matmul.beats_cublas, batch_matmul.chosen)."""
     from minivllm.kernels import batch_matmul, skinny_matmul  # needs a GPU
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        # FP8 layers multiply with their own kernels (Fp8LinearMethod).
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.fp8 is None:
             # The bias the layer's matmul adds: a row-parallel layer adds its own after the
             # all-reduce instead.
             bias = None if isinstance(module, RowParallelLinear) else module.bias

