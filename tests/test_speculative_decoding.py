@@ -17,6 +17,7 @@ from minivllm.config import SpeculativeConfig
 from minivllm.engine.metrics import ServingMetrics
 from minivllm.engine.ngram_proposer import find_draft
 from minivllm.entrypoints.cli import main
+from minivllm.sampling_params import StructuredOutputsParams
 from tests.hf_oracle import hf_greedy, load_hf_model
 
 VOCAB_SIZE = 16
@@ -106,6 +107,24 @@ def test_greedy_is_hf_with_cache_hits_chunked_prefill_and_preemption(model_dir: 
     per_position = [stats[f"spec_decode_num_accepted_tokens_pos{i}"] for i in range(3)]
     assert sum(per_position) == stats["spec_decode_num_accepted_tokens"]
     assert per_position == sorted(per_position, reverse=True)  # a position is reached only past the ones before
+
+
+def test_grammar_guided_rows_beside_rows_with_drafts(spec_llm: LLM, model_dir: str) -> None:
+    """Guided rows take no drafts; their grammar masks land on their own positions among the
+    step's sampled ones, which rows with drafts before them shift."""
+    prompts = [random_prompt(6, seed=s) * 3 for s in range(4)]
+    guided = SamplingParams(temperature=0.0, max_tokens=20,
+                            structured_outputs=StructuredOutputsParams(regex="(!#)+\\$"))
+    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    accepted_before = accepted_tokens(spec_llm)
+    outputs = spec_llm.generate([{"prompt_token_ids": p} for p in prompts], [free, guided, free, guided],
+                                use_tqdm=False)
+    assert accepted_tokens(spec_llm) > accepted_before
+    for i in (0, 2):
+        assert list(outputs[i].outputs[0].token_ids) == hf_greedy(model_dir, prompts[i], 40)[0]
+    for i in (1, 3):
+        text = outputs[i].outputs[0].text
+        assert text.startswith("!#") and text.endswith("$") and set(text) <= set("!#$"), text
 
 
 def test_blocks_of_accepted_tokens_are_cached(spec_llm: LLM) -> None:
