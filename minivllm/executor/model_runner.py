@@ -131,6 +131,12 @@ class ModelRunner:
         else:
             load_weights(self.model, config.model)
         self.vocab_size = hf_config.vocab_size
+        # The most positions a step samples: a row's, or with draft tokens 1 + its drafts (no
+        # more than the step's tokens).
+        spec = config.speculative_config
+        self.max_sampled_rows = config.max_num_seqs if spec is None else min(
+            max(config.max_num_batched_tokens, config.max_num_seqs),
+            config.max_num_seqs * (1 + spec.num_speculative_tokens))
         self.backend = self._make_attention_backend()
         logger.info("Loaded weights in %.1f s", time.perf_counter() - start)
         self.batch = PersistentBatch(self.device)  # the scheduler's sequences (rank 0)
@@ -145,10 +151,8 @@ class ModelRunner:
             config, kv_bytes_per_block(self.model.attention_layers(), self.kv_cache_dtype, self.block_size),
             self.device, self._profile_free_gpu_memory)
         self._allocate_kv_cache(self.num_blocks)
-        # A step samples at most a position per token (with draft tokens, several per row).
-        max_sampled = max(config.max_num_batched_tokens, config.max_num_seqs)
-        self._sampled_host = [torch.zeros(max_sampled, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-                              for _ in range(2)]
+        self._sampled_host = [torch.zeros(self.max_sampled_rows, dtype=torch.int64,
+                                          pin_memory=self.device.type == "cuda") for _ in range(2)]
         self._token_buffer = 0
         # The last step's sampled sequences (ids) and their metadata, while it can be reused.
         self._sampling_cache: tuple[list[int], SamplingMetadata] | None = None
@@ -247,24 +251,24 @@ class ModelRunner:
     @torch.inference_mode()
     def _run_step_and_sampler(self, step: SchedulerOutput) -> None:
         """A step of new sequences' forward pass, then the sampler's largest working set:
-        logits for max_num_seqs rows, softmaxed and sorted (on rank 0). Outputs are
+        logits for max_sampled_rows rows, softmaxed and sorted (on rank 0). Outputs are
         discarded, and the sequences forgotten."""
         self.update_states(step)
         prepared = self.prepare_inputs(self.batch.rows(step))
         self.update_states(SchedulerOutput(finished_seq_ids=step.seq_ids))
         inputs = self._upload(prepared)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        logits = self.model.compute_logits(hidden[:1].expand(self.config.max_num_seqs, -1))
+        logits = self.model.compute_logits(hidden[:1].expand(self.max_sampled_rows, -1))
         if logits is not None:
             torch.softmax(logits.float(), dim=-1).sort(dim=-1)
 
     @torch.inference_mode()
     def _warm_up_logits(self) -> None:
-        """The LM head once at every row count a step can sample (1..max_num_seqs). It runs
+        """The LM head once at every row count a step can sample (1..max_sampled_rows). It runs
         outside the CUDA graphs and cuBLAS picks its kernel by row count, while CUDA loads a
         kernel only at its first launch (lazy loading): a row count first met in a run would
         stall that step while its kernel loads."""
-        rows = self.config.max_num_seqs
+        rows = self.max_sampled_rows
         hidden = torch.zeros(rows, self.config.hf_config.hidden_size, dtype=self.dtype, device=self.device)
         for num_rows in range(1, rows + 1):
             self.model.compute_logits(hidden[:num_rows])
