@@ -48,13 +48,13 @@ def accepted_tokens(llm: LLM) -> int:
     return llm.llm_engine.stats()["spec_decode_num_accepted_tokens"]
 
 
-def test_find_draft_is_the_latest_longest_match() -> None:
-    tokens = np.array([7, 1, 2, 3, 9, 4, 2, 3, 5, 6, 1, 2, 3])
-    # 1 2 3 occurred at 1..3 (then 9); 2 3 later at 6..7 (then 5): the longer match wins.
+def test_find_draft_is_the_earliest_longest_match() -> None:
+    tokens = np.array([7, 2, 3, 8, 1, 2, 3, 9, 4, 2, 3, 5, 6, 1, 2, 3])
+    # 2 3 occurred at 1..2 (then 8); 1 2 3 at 4..6 (then 9): the longer match wins.
     assert find_draft(tokens, 1, 3, 2).tolist() == [9, 4]
-    assert find_draft(tokens, 1, 2, 2).tolist() == [5, 6]  # 2 3: the latest occurrence
-    assert find_draft(tokens, 4, 4, 2).tolist() == []  # 7 1 2 3 ... no 4-token match
-    assert find_draft(np.array([4, 4, 4]), 2, 2, 3).tolist() == [4]  # overlapping the suffix
+    assert find_draft(tokens, 1, 2, 2).tolist() == [8, 1]  # 2 3: the earliest occurrence
+    assert find_draft(tokens, 4, 4, 2).tolist() == []  # 8 1 2 3 ... no 4-token match
+    assert find_draft(np.array([4, 4, 4, 4, 4]), 2, 2, 3).tolist() == [4, 4, 4]  # overlapping the suffix
     rng = np.random.default_rng(0)
     for _ in range(300):  # against the definition, by brute force
         tokens = rng.integers(0, 3, int(rng.integers(1, 30)))
@@ -64,7 +64,7 @@ def test_find_draft_is_the_latest_longest_match() -> None:
             ends = [j for j in range(n - 1, len(tokens) - 1)
                     if tokens[j - n + 1:j + 1].tolist() == tokens[len(tokens) - n:].tolist()]
             if ends:
-                want = tokens[ends[-1] + 1:ends[-1] + 1 + k].tolist()
+                want = tokens[ends[0] + 1:ends[0] + 1 + k].tolist()
                 break
         assert find_draft(tokens, min_n, max_n, k).tolist() == want
 
@@ -141,6 +141,26 @@ def test_blocks_of_accepted_tokens_are_cached(spec_llm: LLM) -> None:
     block_size = 8
     computed = len(prompt) + len(output.token_ids) - 1
     assert hit.num_cached_tokens >= (computed - 4) // block_size * block_size
+
+
+def test_abort_beside_rows_with_drafts_frees_every_block(spec_llm: LLM, model_dir: str) -> None:
+    engine = spec_llm.llm_engine
+    prompts = [random_prompt(6, seed=s) * 3 for s in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    accepted_before = accepted_tokens(spec_llm)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"abort-{i}", {"prompt_token_ids": prompt}, params)
+    for _ in range(6):
+        engine.step()
+    engine.abort_request("abort-1")
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs |= {output.request_id: output for output in engine.step() if output.finished}
+    assert sorted(outputs) == ["abort-0", "abort-2"] and accepted_tokens(spec_llm) > accepted_before
+    for i in (0, 2):
+        assert list(outputs[f"abort-{i}"].outputs[0].token_ids) == hf_greedy(model_dir, prompts[i], 40)[0]
+    stats = engine.stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
 def test_verified_tokens_keep_the_target_distribution(spec_llm: LLM, model_dir: str) -> None:

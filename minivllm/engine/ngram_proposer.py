@@ -11,10 +11,11 @@ from minivllm.engine.sequence import Sequence
 
 
 def find_draft(tokens: np.ndarray, min_n: int, max_n: int, max_tokens: int) -> np.ndarray:
-    """The tokens that followed the latest occurrence of the longest suffix of `tokens` of
+    """The tokens that followed the earliest occurrence of the longest suffix of `tokens` of
     min_n to max_n tokens that occurred before (the suffix itself excluded: an occurrence
     ends before the last token), at most max_tokens of them; empty when no such suffix
     occurred. Occurrences may overlap the suffix (a run of one token matches itself shifted).
+    The earliest, as vLLM's: more tokens follow it (in a run, the latest is followed by one).
 
     One comparison over the whole sequence finds where its last token occurred; only those
     places are extended backwards, a token at a time."""
@@ -32,7 +33,7 @@ def find_draft(tokens: np.ndarray, min_n: int, max_n: int, max_tokens: int) -> n
         matched += 1
     if matched < min_n or not len(ends):
         return tokens[:0]
-    start = int(ends[-1]) + 1
+    start = int(ends[0]) + 1
     return tokens[start:start + max_tokens]
 
 
