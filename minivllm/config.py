@@ -81,6 +81,48 @@ class StructuredOutputsConfig:
         return config
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: vLLM's `speculative_config` (the keys minivllm has). "ngram" drafts
+    by prompt lookup: where the sequence's last n tokens (n from prompt_lookup_max down to
+    prompt_lookup_min) occurred before in its prompt or output, the tokens that followed them
+    there, up to num_speculative_tokens; the model verifies them in one step (engine/ngram_proposer.py)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = None  # type: ignore[assignment]  # required
+    # As vLLM: either alone sets both; neither: 5 and 5 (typed as resolved, as EngineConfig's lengths).
+    prompt_lookup_max: int = None  # type: ignore[assignment]
+    prompt_lookup_min: int = None  # type: ignore[assignment]
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "SpeculativeConfig":
+        """Raises ValueError naming an unknown key, a wrong value or a method minivllm lacks."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has no key {unknown[0]!r}; its keys are "
+                             f"{', '.join(sorted(known))}.")
+        return cls(**values)
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative_config method {self.method!r} is not available: minivllm drafts "
+                             "by prompt lookup (\"ngram\").")
+        if self.num_speculative_tokens is None:
+            raise ValueError("speculative_config needs num_speculative_tokens (the draft tokens per step).")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"speculative_config {name} must be an integer of at least 1, got {value!r}.")
+        lookup_max = self.prompt_lookup_max or self.prompt_lookup_min or 5
+        lookup_min = self.prompt_lookup_min or self.prompt_lookup_max or 5
+        if lookup_min > lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min ({lookup_min}) must not exceed "
+                             f"prompt_lookup_max ({lookup_max}).")
+        object.__setattr__(self, "prompt_lookup_max", lookup_max)  # (frozen)
+        object.__setattr__(self, "prompt_lookup_min", lookup_min)
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -120,6 +162,8 @@ class EngineConfig:
     reasoning_parser: str | None = None
     # A dict of StructuredOutputsConfig's keys is read into one.
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    # Speculative decoding (a dict of SpeculativeConfig's keys is read into one); None: off.
+    speculative_config: SpeculativeConfig | None = None
     # Derived in __post_init__.
     hf_config: PretrainedConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
@@ -129,6 +173,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs_config, dict):
             self.structured_outputs_config = StructuredOutputsConfig.from_dict(self.structured_outputs_config)
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         self.hf_config = self._load_hf_config()
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"

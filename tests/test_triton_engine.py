@@ -216,3 +216,17 @@ def test_partial_sums_past_64_rows_in_the_engine_match_hf(model_dir: str, monkey
     prompts = [[rng.randrange(3, 700) for _ in range(rng.randint(1, 3))] for _ in range(70)]
     assert greedy_outputs(llm, prompts, 3) == [hf_greedy(model_dir, p, 3)[0] for p in prompts]
     assert wide_partials and all(rows <= batch_matmul.PARTIAL_SUMS_MAX_ROWS for rows in wide_partials)
+
+
+def test_speculative_decoding_verify_steps_match_hf(tiny_model_factory) -> None:
+    """Rows that verify draft tokens (several query tokens at the end of a context) beside
+    decodes, through the mixed and decode kernels; a 16-token vocabulary, so that prompt
+    lookup's drafts are often right."""
+    model_dir = tiny_model_factory("Qwen3ForCausalLM", vocab_size=16)
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, 16) for _ in range(5)] * 3 for _ in range(3)]
+    llm = LLM(model_dir, dtype="float32", max_model_len=64, block_size=8, kernels="triton",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                  "prompt_lookup_min": 1})
+    assert greedy_outputs(llm, prompts, 16) == [hf_greedy(model_dir, p, 16)[0] for p in prompts]
+    assert llm.llm_engine.stats()["spec_decode_num_accepted_tokens"] > 0

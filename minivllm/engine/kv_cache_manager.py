@@ -144,7 +144,7 @@ class KVCacheManager:
         admitting = not seq.block_table
         if not admitting and seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size:
             # The common decode case: the token fits in the last block.
-            self._cache_full_blocks(seq, seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens)
+            self.cache_full_blocks(seq, seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens)
             return True
         cached_prefix = cached_prefix if admitting and cached_prefix else []
         num_computed = len(cached_prefix) * self.block_size if admitting else seq.num_computed_tokens
@@ -168,7 +168,7 @@ class KVCacheManager:
                 self.prefix_hits += num_computed
         if new_blocks > 0:
             seq.block_table += self._take_free_blocks(new_blocks)
-        self._cache_full_blocks(seq, num_computed, num_computed + num_new_tokens)
+        self.cache_full_blocks(seq, num_computed, num_computed + num_new_tokens)
         return True
 
     def _take_free_blocks(self, count: int) -> list[int]:
@@ -187,13 +187,14 @@ class KVCacheManager:
             taken.append(block_id)
         return taken
 
-    def _cache_full_blocks(self, seq: Sequence, start_token: int, end_token: int) -> None:
+    def cache_full_blocks(self, seq: Sequence, start_token: int, end_token: int) -> None:
         """Register the blocks that tokens [start_token, end_token) complete.
 
         This happens at scheduling time: a sequence admitted later in the same step can
         already hit them, because every layer stores the step's K/V before attending.
         A block completed by a pending token (value not yet known) is registered on the
-        next call, which therefore looks one block back.
+        next call, which therefore looks one block back. (Blocks completed by accepted
+        draft tokens: Scheduler.settle_drafts calls this once they are known.)
         """
         if not self.enable_prefix_caching:
             return

@@ -127,6 +127,11 @@ class LLMEngine:
         # Tokens processed, for the progress bar's live rates.
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
+        # Speculative decoding's counts, as vLLM's metrics: rows that carried draft tokens, the
+        # drafts, the accepted ones, and those accepted at each draft position.
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        spec = config.speculative_config
+        self.num_accepted_tokens_per_pos = [0] * (spec.num_speculative_tokens if spec is not None else 0)
         # As vLLM: the start-up heap (modules, tokenizer, compiled kernels: ~10^5 objects) lives
         # as long as the engine, so keep the collector off it (until shutdown). A full
         # collection then scans only what requests create, instead of pausing a step for tens
@@ -239,13 +244,21 @@ class LLMEngine:
         return bool(self.requests)
 
     def stats(self) -> dict[str, int]:
-        """Counters and queue sizes (the serving metrics and tests read them)."""
+        """Counters and queue sizes (the serving metrics and tests read them); with speculative
+        decoding, its counts too (spec_decode_*, the accepted tokens per draft position as
+        spec_decode_num_accepted_tokens_pos<i>)."""
         kv = self.kv_cache_manager
-        return {"prefix_cache_queries": kv.prefix_queries, "prefix_cache_hits": kv.prefix_hits,
-                "num_preemptions": self.scheduler.num_preemptions, "num_free_blocks": kv.num_free_blocks,
-                "num_blocks": kv.num_blocks, "num_running": len(self.scheduler.running),
-                # Sequences whose grammar is compiling wait too (vLLM counts them as waiting).
-                "num_waiting": len(self.scheduler.waiting) + self.structured_outputs.num_compiling_seqs}
+        stats = {"prefix_cache_queries": kv.prefix_queries, "prefix_cache_hits": kv.prefix_hits,
+                 "num_preemptions": self.scheduler.num_preemptions, "num_free_blocks": kv.num_free_blocks,
+                 "num_blocks": kv.num_blocks, "num_running": len(self.scheduler.running),
+                 # Sequences whose grammar is compiling wait too (vLLM counts them as waiting).
+                 "num_waiting": len(self.scheduler.waiting) + self.structured_outputs.num_compiling_seqs}
+        if self.config.speculative_config is not None:
+            stats.update(spec_decode_num_drafts=self.num_drafts, spec_decode_num_draft_tokens=self.num_draft_tokens,
+                         spec_decode_num_accepted_tokens=self.num_accepted_tokens)
+            stats.update({f"spec_decode_num_accepted_tokens_pos{position}": count
+                          for position, count in enumerate(self.num_accepted_tokens_per_pos)})
+        return stats
 
     def snapshot(self) -> EngineSnapshot:
         """The dashboard's view of the engine: every KV block's state, the preempted count, and
@@ -330,7 +343,9 @@ class LLMEngine:
             metrics = self.requests[self.seqs[seq_id].request_id].metrics
             # A preempted sequence is admitted again: its request keeps its first time.
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
-        num_decodes = scheduled.num_new_tokens.count(1)
+        # (A row with drafts is a decode: its token and its drafts.)
+        num_decodes = scheduled.num_new_tokens.count(1) + sum(len(drafts) + 1
+                                                              for drafts in scheduled.draft_token_ids.values())
         self.num_decode_tokens += num_decodes
         self.num_prefill_tokens += sum(scheduled.num_new_tokens) - num_decodes
         if self.in_flight is not None:
@@ -378,7 +393,12 @@ class LLMEngine:
 
     def _needs_known_tokens(self) -> bool:
         """Penalties, min_tokens and bad words of several tokens read a sequence's latest
-        tokens: wait for them."""
+        tokens: wait for them. So do draft tokens (speculative decoding): they follow a
+        sequence's last token, and how many tokens a step verified and kept decides where the
+        next one starts; so with speculative decoding a step is scheduled once the last one
+        is read back (no overlap), whether or not its rows end up with drafts."""
+        if self.config.speculative_config is not None:
+            return True
         return any(seq.needs_token_history and (
             seq.params.has_penalties or 0 < seq.num_output_tokens <= seq.params.min_tokens
             or (seq.num_output_tokens > 0 and seq.params.has_bad_word_prefixes)) for seq in self.scheduler.running)
@@ -392,22 +412,31 @@ class LLMEngine:
             prompt_seq = self.seqs.get(seq_id)
             if prompt_seq is not None and not prompt_seq.is_finished:
                 self.requests[prompt_seq.request_id].prompt_logprobs += positions
-        for seq, token, token_logprobs in zip(map(self.seqs.get, sampled.seq_ids), sampled.token_ids,
-                                              sampled.logprobs):
-            # Finished or aborted meanwhile (None: its whole request is gone): drop the token.
+        for seq, tokens, token_logprobs, num_drafts in zip(map(self.seqs.get, sampled.seq_ids), sampled.token_ids,
+                                                           sampled.logprobs, sampled.num_drafts):
+            # Finished or aborted meanwhile (None: its whole request is gone): drop the tokens.
             if seq is None or seq.status is SequenceStatus.FINISHED:
                 continue
-            seq.token_ids.append(token)
-            seq.num_pending_tokens -= 1
+            seq.num_pending_tokens -= 1  # (a row has one pending token, however many it brings)
             request = self.requests[seq.request_id]
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
-            if token_logprobs is not None:
-                seq.logprobs.append(token_logprobs)
-                seq.cumulative_logprob += token_logprobs[token][0]
-            stopped = self._check_stop(request, seq, token)
-            if not stopped and guided and seq.seq_id in guided:
-                stopped = self._advance_grammar(seq, token)
+            if num_drafts:
+                self._count_accepted(num_drafts, len(tokens) - 1)
+            # Tokens one by one, as if each came from its own step: those past a stop are dropped.
+            stopped = False
+            for i, token in enumerate(tokens):
+                seq.token_ids.append(token)
+                if token_logprobs is not None:
+                    seq.logprobs.append(token_logprobs[i])
+                    seq.cumulative_logprob += token_logprobs[i][token][0]
+                stopped = self._check_stop(request, seq, token)
+                if not stopped and guided and seq.seq_id in guided:
+                    stopped = self._advance_grammar(seq, token)
+                if stopped:
+                    break
+            if num_drafts and not stopped:
+                self.scheduler.settle_drafts(seq, num_drafts, len(tokens) - 1)
             # Offline requests only need their final output; streams get every delta.
             if stopped or request.stream:
                 advanced[request.request_id] = request
@@ -423,6 +452,15 @@ class LLMEngine:
                 continue
             outputs.append(self._make_output(request, final_texts))
         return outputs
+
+    def _count_accepted(self, num_drafts: int, num_accepted: int) -> None:
+        """Count a row that verified num_drafts draft tokens and accepted the first num_accepted."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        per_position = self.num_accepted_tokens_per_pos
+        for position in range(num_accepted):
+            per_position[position] += 1
 
     def _check_stop(self, request: Request, seq: Sequence, token: int) -> bool:
         """Finish seq if its newly known token ends it (stop token, length, stop string)."""

@@ -106,6 +106,7 @@ class ServingMetrics:
         self.recent_ttft: deque[tuple[float, float]] = deque(maxlen=RECENT_LATENCIES)
         self.recent_tpot: deque[tuple[float, float]] = deque(maxlen=RECENT_LATENCIES)
         self._last_log: tuple[float, int, int, int, int] | None = None
+        self._last_spec_decode_log: EngineStats = {}  # speculative decoding's counts at the last line
         self.registry.register(_EngineCollector(self))
 
     # --- recorded on the event loop ---------------------------------------------------------
@@ -177,6 +178,26 @@ class ServingMetrics:
                     self.engine_index, prompt / elapsed, generation / elapsed, stats["num_running"],
                     stats["num_waiting"], self.kv_cache_device,
                     100 * kv_cache_usage(stats), 100 * hits / queries if queries else 0.0)
+        if "spec_decode_num_drafts" in stats:
+            self._log_spec_decode_stats(stats, elapsed)
+
+    def _log_spec_decode_stats(self, stats: EngineStats, elapsed: float) -> None:
+        """vLLM's speculative-decoding line, over the drafts since the last one (none: no line).
+        The mean acceptance length counts the token each verifying row adds after its drafts."""
+        counts = {name: value for name, value in stats.items() if name.startswith("spec_decode_")}
+        previous, self._last_spec_decode_log = self._last_spec_decode_log, counts
+        new = {name: value - previous.get(name, 0) for name, value in counts.items()}
+        num_drafts, drafted = new["spec_decode_num_drafts"], new["spec_decode_num_draft_tokens"]
+        if not num_drafts:
+            return
+        accepted = new["spec_decode_num_accepted_tokens"]
+        per_position = ", ".join(f"{new[f'spec_decode_num_accepted_tokens_pos{i}'] / num_drafts:.3f}"
+                                 for i in range(len(_per_position_counts(stats))))
+        logger.info("Engine %03d: SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f "
+                    "tokens/s, Drafted throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d tokens, "
+                    "Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
+                    self.engine_index, 1 + accepted / num_drafts, accepted / elapsed, drafted / elapsed, accepted,
+                    drafted, per_position, 100 * accepted / drafted)
 
 
 class _Histogram(Collector):
@@ -212,6 +233,14 @@ class _Histogram(Collector):
                           self._sum)
         family.samples.append(Sample(f"{self.name}_created", dict(zip(_LABELS, self.label_values)), self._created))
         yield family
+
+
+def _per_position_counts(stats: EngineStats) -> list[int]:
+    """Speculative decoding's accepted tokens at each draft position (LLMEngine.stats)."""
+    counts: list[int] = []
+    while (count := stats.get(f"spec_decode_num_accepted_tokens_pos{len(counts)}")) is not None:
+        counts.append(count)
+    return counts
 
 
 def kv_cache_usage(stats: EngineStats) -> float:
@@ -250,6 +279,19 @@ class _EngineCollector(Collector):
         yield counter("vllm:prompt_tokens", "Prompt tokens of requests that started generating.",
                       self.metrics.num_prompt_tokens)
         yield counter("vllm:generation_tokens", "Generated tokens.", self.metrics.num_generation_tokens)
+        if "spec_decode_num_drafts" in stats:  # speculative decoding's, as vLLM's
+            yield counter("vllm:spec_decode_num_drafts", "Rows that verified draft tokens.",
+                          stats["spec_decode_num_drafts"])
+            yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                          stats["spec_decode_num_draft_tokens"])
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                          stats["spec_decode_num_accepted_tokens"])
+            per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                               "Draft tokens accepted, by draft position.",
+                                               labels=[*_LABELS, "position"])
+            for position, count in enumerate(_per_position_counts(stats)):
+                per_position.add_metric([*label_values, str(position)], count)
+            yield per_position
 
 
 def merged_registry(registries: list[CollectorRegistry]) -> CollectorRegistry:

@@ -5,12 +5,18 @@ prompt), then waiting sequences fill the rest of the budget in FCFS order, their
 split into chunks when long. When KV blocks run out, the most recently admitted running
 sequence is preempted: its blocks are freed and it is recomputed later from the head of
 the waiting queue.
+
+With speculative decoding, a decoding sequence whose tokens are all known may carry draft
+tokens (engine/ngram_proposer.py): its row computes them after its last token, and the step
+verifies them. Its computed count then runs ahead by the drafts until the step is read back
+(settle_drafts rolls it back to the accepted ones). Rows guided by a grammar take no drafts.
 """
 
 from collections import deque
 
 from minivllm.config import EngineConfig
 from minivllm.engine.kv_cache_manager import KVCacheManager
+from minivllm.engine.ngram_proposer import NgramProposer
 from minivllm.engine.scheduler_output import BlockUpdate, NewSequenceData, SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceStatus
 
@@ -20,6 +26,7 @@ class _StepBuilder:
 
     __slots__ = (
         "block_updates",
+        "draft_token_ids",
         "new_seqs",
         "num_admitted",
         "num_computed_tokens",
@@ -36,11 +43,17 @@ class _StepBuilder:
         self.new_seqs: list[NewSequenceData] = []
         self.block_updates: list[BlockUpdate] = []
         self.num_admitted = 0
+        self.draft_token_ids: dict[int, list[int]] = {}
 
-    def add(self, seq: Sequence, num_new: int) -> None:
-        """Add seq's row and count the step's work as done (the runner runs it)."""
+    def add(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> None:
+        """Add seq's row and count the step's work as done (the runner runs it); drafts: the
+        row's draft tokens, the last of its num_new tokens."""
         num_computed = seq.num_computed_tokens
-        samples = num_computed + num_new == seq.num_tokens
+        num_drafts = 0
+        if drafts:
+            num_drafts = len(drafts)
+            self.draft_token_ids[seq.seq_id] = drafts
+        samples = num_computed + num_new - num_drafts == seq.num_tokens
         self.seq_ids.append(seq.seq_id)
         self.num_new_tokens.append(num_new)
         self.num_computed_tokens.append(num_computed)
@@ -59,7 +72,8 @@ class _StepBuilder:
 
     def build(self, finished_seq_ids: list[int]) -> SchedulerOutput:
         return SchedulerOutput(self.seq_ids, self.num_new_tokens, self.num_computed_tokens, self.samples,
-                               self.new_seqs, self.block_updates, finished_seq_ids, self.num_admitted)
+                               self.new_seqs, self.block_updates, finished_seq_ids, self.num_admitted,
+                               self.draft_token_ids)
 
 
 class Scheduler:
@@ -68,6 +82,8 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.kv_cache_manager = kv_cache_manager
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -91,14 +107,20 @@ class Scheduler:
                 i += 1  # finishes once its pending token is read back
                 continue
             num_new = min(num_tokens - seq.num_computed_tokens, budget)
+            drafts = self._drafts(seq, budget) if self.proposer is not None and num_new == 1 else []
+            num_new += len(drafts)
             while not allocate(seq, num_new):
+                if drafts:  # no preemption for drafts' sake: decode without them
+                    num_new -= len(drafts)
+                    drafts = []
+                    continue
                 preempted = True
                 victim = running.pop()
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
-                step.add(seq, num_new)
+                step.add(seq, num_new, drafts)
                 budget -= num_new
                 i += 1
         # 2. Waiting sequences, FCFS; not after a preemption (blocks are short this step).
@@ -120,6 +142,31 @@ class Scheduler:
         finished, self._finished_seq_ids = self._finished_seq_ids, []
         return step.build(finished)
 
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """Draft tokens for a decoding sequence: within the step's token budget, and no more
+        than could be kept (max_tokens, max_model_len: the drafts and the token after them
+        must fit). No drafts for a sequence with a token still in flight (its last token is not
+        known yet) or guided by a grammar (its grammar would have to check the drafts first)."""
+        assert self.proposer is not None  # (called with speculative decoding only)
+        if seq.num_pending_tokens or seq.params.structured_outputs is not None:
+            return []
+        num_tokens = seq.num_tokens
+        room = min(budget, self.max_model_len - num_tokens) - 1
+        max_tokens = seq.params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - seq.num_output_tokens - 1)
+        return self.proposer.propose(seq, room) if room > 0 else []
+
+    def settle_drafts(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """After a step verified num_drafts drafts of seq and its accepted tokens joined seq's
+        known tokens: roll its computed count back to the accepted ones (the rejected ones'
+        K/V stay in its blocks, overwritten by its next steps), and put the blocks the step
+        completed with accepted tokens in the prefix cache (never those of rejected ones)."""
+        end = seq.num_computed_tokens - (num_drafts - num_accepted)
+        seq.num_computed_tokens = end
+        start = end - 1 - num_accepted  # where the step's new tokens started
+        self.kv_cache_manager.cache_full_blocks(seq, start, end)
+
     def _preempt(self, seq: Sequence) -> None:
         self.kv_cache_manager.free(seq)
         seq.runner_blocks = 0  # the runner keeps the sequence; its new table is sent whole
@@ -139,6 +186,8 @@ class Scheduler:
         if seq.runner_blocks >= 0:
             self._finished_seq_ids.append(seq.seq_id)
         seq.num_pending_tokens = 0  # whatever is still in flight for it is dropped
+        if self.proposer is not None:
+            self.proposer.forget(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = finish_reason
         seq.stop_reason = stop_reason

@@ -48,11 +48,11 @@ class SchedulerOutput:
     The runner may run the rows in any order, but it returns the sampled rows' results in
     this one.
 
-    Room to grow without reaching around it: speculative decoding would add a column of
-    draft tokens per row (the runner verifies them and returns the accepted ones, so each
-    row's result becomes a list). Structured outputs' grammar bitmask comes apart
-    (GrammarBitmask): it needs the tokens of the step still in flight when this one is
-    scheduled.
+    Speculative decoding adds draft tokens to some rows (draft_token_ids): such a row's new
+    tokens are its last known token, then its drafts; the runner samples at each of them and
+    returns the accepted drafts and one more token (each row's result is a list). Structured
+    outputs' grammar bitmask comes apart (GrammarBitmask): it needs the tokens of the step
+    still in flight when this one is scheduled.
     """
 
     seq_ids: list[int] = field(default_factory=list)
@@ -70,6 +70,9 @@ class SchedulerOutput:
     finished_seq_ids: list[int] = field(default_factory=list)
     # How many of the last rows came from the waiting queue this step (admitted).
     num_admitted: int = 0
+    # The draft tokens of the rows that have any, by sequence id (few rows have them: a
+    # sparse column). They count in the row's num_new_tokens, after its last known token.
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

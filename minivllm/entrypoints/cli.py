@@ -46,6 +46,14 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_device_argument(parser)
     _add_quantization_argument(parser)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    _add_speculative_config_argument(parser)
+
+
+def _add_speculative_config_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--speculative-config", type=_json_object, default=None,
+                        help='speculative decoding as JSON, vLLM\'s keys: method ("ngram"), num_speculative_tokens, '
+                             'prompt_lookup_max, prompt_lookup_min (e.g. \'{"method": "ngram", '
+                             '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\')')
 
 
 def _add_quantization_argument(parser: argparse.ArgumentParser) -> None:
@@ -88,7 +96,7 @@ def _generate(args: argparse.Namespace) -> None:
                             ignore_eos=args.ignore_eos)
     llm = LLM(model, dtype=args.dtype, max_model_len=args.max_model_len,
               tensor_parallel_size=args.tensor_parallel_size, device=args.device, enforce_eager=args.enforce_eager,
-              quantization=args.quantization)
+              quantization=args.quantization, speculative_config=args.speculative_config)
     if chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
@@ -166,6 +174,7 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--structured-outputs-config", type=_json_object, default={},
                         help='engine-wide structured-output settings as JSON, vLLM\'s keys: backend ("auto" or '
                              '"xgrammar"), disable_any_whitespace (e.g. \'{"disable_any_whitespace": true}\')')
+    _add_speculative_config_argument(parser)
     parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                         help="serve GET /tokenizer_info: the tokenizer's configuration and chat template (for "
                              "lm-eval's remote tokenizer)")

@@ -36,7 +36,7 @@ class StepFields(Generic[T]):
     query_start_loc: T
     seq_lens: T
     block_tables: T
-    logits_indices: T  # rows of the hidden states to sample from
+    logits_indices: T  # rows of the hidden states to sample from (several per row with draft tokens)
     # Rows of input_ids whose token is still pending, and their rows in the last step's output.
     pending_dst: T
     pending_src: T
@@ -58,7 +58,7 @@ def _field_specs(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> Ste
     return StepFields(
         input_ids=(tokens, torch.int64), positions=(tokens, torch.int64), slot_mapping=(tokens, torch.int64),
         query_start_loc=((max_seqs + 1,), torch.int32), seq_lens=(seqs, torch.int32),
-        block_tables=((max_seqs, max_blocks_per_seq), torch.int32), logits_indices=(seqs, torch.int64),
+        block_tables=((max_seqs, max_blocks_per_seq), torch.int32), logits_indices=(tokens, torch.int64),
         pending_dst=(seqs, torch.int64), pending_src=(seqs, torch.int64),
         num_shared_prefix_blocks=((1,), torch.int32))
 

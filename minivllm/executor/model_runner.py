@@ -58,8 +58,12 @@ class StepHandle:
     `done` has completed (None on CPU, where everything is synchronous)."""
 
     seq_ids: list[int]
-    states: list[SequenceState]  # collect appends each one's token
-    host: list[torch.Tensor]  # sampled ids, then logprob ids, logprobs, ranks if asked; [] if none sampled
+    states: list[SequenceState]  # collect appends each one's accepted tokens
+    # Per sampled position (a row's, or with draft tokens each of its 1 + drafts): sampled
+    # ids, then logprob ids, logprobs, ranks if asked; [] if none sampled.
+    host: list[torch.Tensor]
+    # Each sampled row's draft tokens, in the scheduler's order; [] for a step without any.
+    drafts: list[list[int]]
     prompt_logprobs: PromptLogprobRows | None
     prompt_host: list[LogprobTensors]  # prompt_logprobs' positions, a slice each (execute_model)
     done: "torch.cuda.Event | None"
@@ -87,13 +91,16 @@ class PreparedStep:
 
 @dataclass(frozen=True, slots=True)
 class SampledTokens:
-    """A collected step: a row per sampled sequence, in the scheduler's order; and per
-    sequence whose prompt logprobs the step computed, its id and those positions' logprobs,
-    in prompt order (each position's dict holds the prompt token that follows it)."""
+    """A collected step: a row per sampled sequence, in the scheduler's order, with its new
+    tokens (one, or with draft tokens the accepted drafts and the token after them) and their
+    logprobs; and per sequence whose prompt logprobs the step computed, its id and those
+    positions' logprobs, in prompt order (each position's dict holds the prompt token that
+    follows it)."""
 
     seq_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]  # None where the sequence asked for none
+    token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs] | None]  # None where the sequence asked for none
+    num_drafts: list[int]  # per row: the draft tokens it verified
     prompt_logprobs: list[tuple[int, list[TokenLogprobs]]]
 
 
@@ -134,6 +141,12 @@ class ModelRunner:
         else:
             load_weights(self.model, config.model)
         self.vocab_size = hf_config.vocab_size
+        # The most positions a step samples: a row's, or with draft tokens 1 + its drafts (no
+        # more than the step's tokens).
+        spec = config.speculative_config
+        self.max_sampled_rows = config.max_num_seqs if spec is None else min(
+            max(config.max_num_batched_tokens, config.max_num_seqs),
+            config.max_num_seqs * (1 + spec.num_speculative_tokens))
         self.backend = self._make_attention_backend()
         logger.info("Loaded weights in %.1f s", time.perf_counter() - start)
         self.batch = PersistentBatch(self.device)  # the scheduler's sequences (rank 0)
@@ -148,8 +161,8 @@ class ModelRunner:
             config, kv_bytes_per_block(self.model.attention_layers(), self.kv_cache_dtype, self.block_size),
             self.device, self._profile_free_gpu_memory)
         self._allocate_kv_cache(self.num_blocks)
-        self._sampled_host = [torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-                              for _ in range(2)]
+        self._sampled_host = [torch.zeros(self.max_sampled_rows, dtype=torch.int64,
+                                          pin_memory=self.device.type == "cuda") for _ in range(2)]
         self._token_buffer = 0
         # The last step's sampled sequences (ids) and their metadata, while it can be reused.
         self._sampling_cache: tuple[list[int], SamplingMetadata] | None = None
@@ -248,24 +261,24 @@ class ModelRunner:
     @torch.inference_mode()
     def _run_step_and_sampler(self, step: SchedulerOutput) -> None:
         """A step of new sequences' forward pass, then the sampler's largest working set:
-        logits for max_num_seqs rows, softmaxed and sorted (on rank 0). Outputs are
+        logits for max_sampled_rows rows, softmaxed and sorted (on rank 0). Outputs are
         discarded, and the sequences forgotten."""
         self.update_states(step)
         prepared = self.prepare_inputs(self.batch.rows(step))
         self.update_states(SchedulerOutput(finished_seq_ids=step.seq_ids))
         inputs = self._upload(prepared)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        logits = self.model.compute_logits(hidden[:1].expand(self.config.max_num_seqs, -1))
+        logits = self.model.compute_logits(hidden[:1].expand(self.max_sampled_rows, -1))
         if logits is not None:
             torch.softmax(logits.float(), dim=-1).sort(dim=-1)
 
     @torch.inference_mode()
     def _warm_up_logits(self) -> None:
-        """The LM head once at every row count a step can sample (1..max_num_seqs). It runs
+        """The LM head once at every row count a step can sample (1..max_sampled_rows). It runs
         outside the CUDA graphs and cuBLAS picks its kernel by row count, while CUDA loads a
         kernel only at its first launch (lazy loading): a row count first met in a run would
         stall that step while its kernel loads."""
-        rows = self.config.max_num_seqs
+        rows = self.max_sampled_rows
         hidden = torch.zeros(rows, self.config.hf_config.hidden_size, dtype=self.dtype, device=self.device)
         for num_rows in range(1, rows + 1):
             self.model.compute_logits(hidden[:num_rows])
@@ -381,8 +394,13 @@ class ModelRunner:
                  if self.graphs else None)
         step = self.prepare_inputs(rows, graph, self.batch.prompt_logprob_rows(rows))
         if rows.sampled_ids:
-            # The next step's pending tokens are this one's (launch_sampling puts them on the device).
-            self.last_sampled_rows = rows.sampled_row_of
+            # The next step's pending tokens are this one's (launch_sampling puts them on the
+            # device), at each row's first sampled position; never a row's that verified drafts:
+            # the engine reads such a step back before it schedules the next.
+            drafts, first_position = _sample_positions(rows)
+            self.last_sampled_rows = (rows.sampled_row_of if not drafts else
+                                      {seq_id: int(first) for seq_id, first, row_drafts
+                                       in zip(rows.sampled_ids, first_position, drafts) if not row_drafts})
         return PreparedStep(rows, step)
 
     @torch.inference_mode()
@@ -401,23 +419,31 @@ class ModelRunner:
     @torch.inference_mode()
     def launch_sampling(self, forward: ForwardPass, grammar: GrammarBitmask | None = None) -> StepHandle:
         """launch's second half: queue the sampling of a forward pass's logits (those a grammar
-        forbids at -inf first) and the copies of its results; don't wait for them."""
+        forbids at -inf first) and the copies of its results; don't wait for them.
+
+        A row with draft tokens samples at each of its positions (collect keeps the drafts up
+        to the first that differs from the token sampled in its place, and that token): the
+        sample is the target model's token there, so where a draft matches it is accepted
+        with the probability p(draft), and otherwise the token comes from p without the draft,
+        renormalised: speculative sampling's rule for a draft that is a point mass, which
+        keeps every position's distribution p, greedy or not."""
         rows, logits = forward.rows, forward.logits
         sampled_ids = rows.sampled_ids
+        drafts, first_position = _sample_positions(rows)
         host = []
         if sampled_ids:
             assert logits is not None  # rank 0, with sampled rows
-            if grammar is not None:
-                # (Every sampled row guided: no row index to copy and gather by.)
-                guided_rows = None if len(grammar.rows) == len(sampled_ids) else grammar.rows
+            if grammar is not None:  # (guided rows have no drafts)
+                # (Every position a guided row's: no row index to copy and gather by.)
+                guided_rows = None if len(grammar.rows) == len(logits) else first_position[grammar.rows]
                 apply_token_bitmask(logits, grammar.bitmask, guided_rows)
-            sampled = self.sampler(logits, self._sampling_metadata(rows))
+            sampled = self.sampler(logits, self._sampling_metadata(rows, drafts))
             # The next step reads these on the device, for sequences whose token is still pending
-            # (at the rows prepare_forward noted).
+            # (at the positions prepare_forward noted).
             self.last_sampled = sampled.sampled_token_ids
             # Two pinned buffers in turn: a step's tokens are read after the next step is launched.
             self._token_buffer = 1 - self._token_buffer
-            host = [self._sampled_host[self._token_buffer][:len(sampled_ids)]]
+            host = [self._sampled_host[self._token_buffer][:len(logits)]]
             host[0].copy_(sampled.sampled_token_ids, non_blocking=True)
             if sampled.logprobs is not None:
                 host += [tensor.to("cpu", non_blocking=True)
@@ -426,37 +452,73 @@ class ModelRunner:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return StepHandle(sampled_ids, rows.sampled, host, forward.prompt_logprobs, forward.prompt_host, done)
+        return StepHandle(sampled_ids, rows.sampled, host, drafts, forward.prompt_logprobs, forward.prompt_host,
+                          done)
 
     def collect(self, handle: StepHandle) -> SampledTokens:
-        """Wait for a launched step: its sampled tokens and logprobs. Each token joins its
-        sequence's token ids here (the inputs of later steps, the history sampling reads)."""
+        """Wait for a launched step: its sampled tokens (with draft tokens, the accepted ones
+        and the token after them) and logprobs. Each row's tokens join its sequence's token ids
+        here (the inputs of later steps, the history sampling reads)."""
         if handle.done is not None:
             handle.done.synchronize()
-        token_ids: list[int] = handle.host[0].tolist() if handle.host else []
-        for state, token in zip(handle.states, token_ids):
-            state.token_ids.append(token)
-        logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
+        sampled: list[int] = handle.host[0].tolist() if handle.host else []
+        # Each row's kept positions: [start, end) of the sampled positions.
+        if handle.drafts:
+            spans = []
+            start = 0
+            for drafts in handle.drafts:
+                accepted = 0
+                while accepted < len(drafts) and sampled[start + accepted] == drafts[accepted]:
+                    accepted += 1
+                spans.append((start, start + accepted + 1))
+                start += len(drafts) + 1
+            token_ids = [sampled[start:end] for start, end in spans]
+        else:
+            token_ids = [[token] for token in sampled]
+        for state, tokens in zip(handle.states, token_ids):
+            state.token_ids += tokens
+        logprobs: list[list[TokenLogprobs] | None] = [None] * len(token_ids)
         if len(handle.host) > 1:
             ids, values, ranks = (tensor.tolist() for tensor in handle.host[1:])
-            logprobs = [None if (k := state.params.logprobs) is None else _token_logprobs(row_ids, row_values, rank, k)
-                        for state, row_ids, row_values, rank in zip(handle.states, ids, values, ranks)]
+            position_logprobs = (
+                (range(start, end) for start, end in spans) if handle.drafts else ((i,) for i in range(len(sampled))))
+            logprobs = [None if (k := state.params.logprobs) is None
+                        else [_token_logprobs(ids[i], values[i], ranks[i], k) for i in positions]
+                        for state, positions in zip(handle.states, position_logprobs)]
         prompt_logprobs = []
         if handle.prompt_logprobs is not None:
             prompt_logprobs = _prompt_logprob_dicts(handle.prompt_logprobs, handle.prompt_host)
-        return SampledTokens(handle.seq_ids, token_ids, logprobs, prompt_logprobs)
+        num_drafts = [len(drafts) for drafts in handle.drafts] if handle.drafts else [0] * len(token_ids)
+        return SampledTokens(handle.seq_ids, token_ids, logprobs, num_drafts, prompt_logprobs)
 
-    def _sampling_metadata(self, rows: StepRows) -> SamplingMetadata:
-        """The sampling parameters of the sampled rows, on the device. A step that samples the
-        same sequences as the last one, in the same order (a steady decode batch), reuses its
-        metadata: a sequence's parameters never change, and what depends on its outputs
-        (SamplingMetadata.reads_outputs) makes the metadata one step's only."""
+    def _sampling_metadata(self, rows: StepRows, drafts: list[list[int]]) -> SamplingMetadata:
+        """The sampling parameters of the sampled rows, on the device (drafts: each one's draft
+        tokens, or [] for a step without any: then a row per sampled row, else one per position
+        that samples). A step without drafts that samples the same sequences as the last one,
+        in the same order (a steady decode batch), reuses its metadata: a sequence's
+        parameters never change, and what depends on its outputs (SamplingMetadata.reads_outputs)
+        makes the metadata one step's only."""
+        if drafts:
+            return SamplingMetadata.build([row for state, row_drafts in zip(rows.sampled, drafts)
+                                           for row in state.draft_sampling_rows(row_drafts)],
+                                          self.vocab_size, self.device)
         if self._sampling_cache is not None and self._sampling_cache[0] == rows.sampled_ids:
             return self._sampling_cache[1]
         meta = SamplingMetadata.build([state.sampling_row() for state in rows.sampled], self.vocab_size,
                                       self.device)
         self._sampling_cache = None if meta.reads_outputs else (rows.sampled_ids, meta)
         return meta
+
+
+def _sample_positions(rows: StepRows) -> tuple[list[list[int]], np.ndarray]:
+    """Each sampled row's draft tokens (none at all where the step has none) and its first
+    position among the step's sampled logits: a row with d drafts samples 1 + d positions."""
+    step_drafts = rows.out.draft_token_ids
+    drafts = [step_drafts.get(seq_id, []) for seq_id in rows.sampled_ids] if step_drafts else []
+    first_position = np.arange(len(rows.sampled_ids))
+    if drafts:
+        first_position += np.cumsum([0, *map(len, drafts[:-1])])
+    return drafts, first_position
 
 
 def _token_logprobs(ids: list[int], values: list[float], chosen_rank: int, k: int) -> TokenLogprobs:

@@ -56,6 +56,16 @@ class SequenceState:
         split = self.num_prompt_tokens
         return SamplingRow(self.params, self.token_ids[:split], self.token_ids[split:], self.generator)
 
+    def draft_sampling_rows(self, drafts: list[int]) -> list[SamplingRow]:
+        """The sampler's rows at the positions that verify draft tokens and the one after
+        them: each as that token's own decode step would sample it, the drafts before it
+        taken as outputs (what the sampler reads of them matters only where they are accepted)."""
+        row = self.sampling_row()
+        if not self.needs_token_history:
+            return [row] * (len(drafts) + 1)
+        outputs = list(row.output_token_ids)
+        return [row, *(replace(row, output_token_ids=outputs + drafts[:j]) for j in range(1, len(drafts) + 1))]
+
 
 @dataclass(frozen=True, slots=True)
 class PromptLogprobRows:

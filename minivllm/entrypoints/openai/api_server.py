@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import minivllm
-from minivllm.config import EngineConfig, StructuredOutputsConfig
+from minivllm.config import EngineConfig, SpeculativeConfig, StructuredOutputsConfig
 from minivllm.engine.async_llm import AsyncLLM, EngineDeadError
 from minivllm.engine.data_parallel import DataParallelAsyncLLM, EngineClient
 from minivllm.entrypoints.openai.dashboard import DashboardFeed, add_dashboard_routes
@@ -371,7 +371,9 @@ def run_server(args: argparse.Namespace) -> None:
                               load_format=args.load_format,
                               enforce_eager=args.enforce_eager, reasoning_parser=args.reasoning_parser,
                               structured_outputs_config=StructuredOutputsConfig.from_dict(
-                                  args.structured_outputs_config))
+                                  args.structured_outputs_config),
+                              speculative_config=(None if args.speculative_config is None
+                                                  else SpeculativeConfig.from_dict(args.speculative_config)))
         names = args.served_model_name or [args.model]
         log_stats_interval_s = None if args.disable_log_stats else 10.0
         # One replica: the AsyncLLM itself, with nothing in between.
