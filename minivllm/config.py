@@ -53,6 +53,14 @@ def cpu_threads(reserved_cores: int = 0, num_engines: int = 1) -> int:
     return max(1, (cores - reserved_cores) // num_engines)
 
 
+def _refuse_unknown_keys(name: str, config_class: type, values: dict[str, Any]) -> None:
+    """Raise ValueError naming the first key of values that config_class has no field for."""
+    known = {f.name for f in fields(config_class)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{name} has no key {unknown[0]!r}; its keys are {', '.join(sorted(known))}.")
+
+
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
     """Engine-wide structured-output settings: vLLM's `--structured-outputs-config` (the keys
@@ -66,11 +74,7 @@ class StructuredOutputsConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "StructuredOutputsConfig":
         """Raises ValueError naming an unknown key, a wrong type or a backend minivllm lacks."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"structured_outputs_config has no key {unknown[0]!r}; its keys are "
-                             f"{', '.join(sorted(known))}.")
+        _refuse_unknown_keys("structured_outputs_config", cls, values)
         config = cls(**values)
         if config.backend not in ("auto", "xgrammar"):
             raise ValueError(f"structured_outputs_config backend {config.backend!r} is not available: minivllm's "
@@ -97,11 +101,7 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "SpeculativeConfig":
         """Raises ValueError naming an unknown key, a wrong value or a method minivllm lacks."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"speculative_config has no key {unknown[0]!r}; its keys are "
-                             f"{', '.join(sorted(known))}.")
+        _refuse_unknown_keys("speculative_config", cls, values)
         return cls(**values)
 
     def __post_init__(self) -> None:
