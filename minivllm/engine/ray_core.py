@@ -13,11 +13,10 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
-from ray.util.placement_group import remove_placement_group
 
 from minivllm.config import EngineConfig
 from minivllm.engine.async_llm import Command, CoreMessage, run_engine_core
-from minivllm.executor.ray_utils import actor_options, initialize_ray_cluster, replica_placement_group
+from minivllm.executor.ray_utils import actor_options, initialize_ray_cluster, replica_placement_group, stop_actors
 
 # How long one call waits for results when the front would wait for ever (it calls again).
 _RECEIVE_S = 1.0
@@ -115,14 +114,7 @@ class RayEngineCore:
         return not ray.wait([self._run], timeout=0)[0]
 
     def stop(self, timeout: float) -> None:
-        if not ray.is_initialized():
-            return  # Ray shut down (at exit, say), and ended its actors with it
-        try:
-            ray.get(self._run, timeout=timeout)
-        except RayError:  # GetTimeoutError too
-            pass  # dead already, or stuck: killed below
-        ray.kill(self.actor)
-        remove_placement_group(self.placement_group)
+        stop_actors([self.actor], lambda: self._run, self.placement_group, timeout)
 
     def exit_error(self) -> BaseException:
         try:
@@ -170,11 +162,4 @@ class RayReplica:
         return ray.get(self._latest)
 
     def stop(self) -> None:
-        if not ray.is_initialized():
-            return  # Ray shut down (at exit, say), and ended its actors with it
-        try:
-            ray.get(self.actor.stop.remote(), timeout=_STOP_TIMEOUT_S)
-        except RayError:  # GetTimeoutError too: dead, or stuck; killed below
-            pass
-        ray.kill(self.actor)
-        remove_placement_group(self.placement_group)
+        stop_actors([self.actor], self.actor.stop.remote, self.placement_group, _STOP_TIMEOUT_S)

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -96,6 +97,23 @@ def actor_options(config: EngineConfig, group: PlacementGroup, bundle_index: int
         group, placement_group_bundle_index=bundle_index)}
 
 
+def stop_actors(actors: list[Any], last_calls: Callable[[], Any], group: PlacementGroup | None,
+                timeout: float) -> None:
+    """Give actors up to timeout seconds to finish the calls last_calls makes (their own stop,
+    or the call that ends with their loop), then kill them and free their placement group (if
+    one is theirs). Nothing to do once Ray has shut down (at exit, say): it ended them with it."""
+    if not ray.is_initialized():
+        return
+    try:
+        ray.get(last_calls(), timeout=timeout)
+    except ray.exceptions.RayError:  # GetTimeoutError too
+        pass  # dead already, or stuck: killed below
+    for actor in actors:
+        ray.kill(actor)
+    if group is not None:
+        remove_placement_group(group)
+
+
 class _Rank:
     """A tensor-parallel worker rank (1..N-1) as a Ray actor: its ModelRunner runs the calls
     rank 0 sends, one at a time, in order."""
@@ -172,19 +190,9 @@ class RayWorkers:
         process group. Safe to call more than once."""
         if not self.actors:
             return
-        if not ray.is_initialized():  # Ray shut down (at exit, say), and ended its actors with it
-            self.actors = self.workers = []
-            distributed.destroy_distributed()
-            return
-        try:
-            ray.get([actor.stop.remote() for actor in self.workers], timeout=_STOP_TIMEOUT_S)
-        except ray.exceptions.RayError:  # GetTimeoutError too
-            pass  # a dead or stuck worker: killed below
-        for actor in self.actors:
-            ray.kill(actor)
+        workers = self.workers
+        stop_actors(self.actors, lambda: [actor.stop.remote() for actor in workers], self._own_group, _STOP_TIMEOUT_S)
         self.actors = self.workers = []
-        if self._own_group is not None:
-            remove_placement_group(self._own_group)
         distributed.destroy_distributed()
 
 
