@@ -72,10 +72,13 @@ class StepHandle:
 @dataclass(frozen=True, slots=True)
 class ForwardPass:
     """A step whose forward pass is queued (launch_forward), with rows that sample or prompt
-    logprobs: its rows, the sampled rows' logits on the device in the scheduler's order (None
-    when no row samples), and the prompt logprobs it computes (StepHandle's)."""
+    logprobs: its rows (and their sampled positions, PreparedStep's), the sampled positions'
+    logits on the device in the scheduler's order (None when no row samples), and the prompt
+    logprobs it computes (StepHandle's)."""
 
     rows: StepRows
+    drafts: list[list[int]]
+    first_position: np.ndarray
     logits: torch.Tensor | None
     prompt_logprobs: PromptLogprobRows | None
     prompt_host: list[LogprobTensors]
@@ -83,10 +86,13 @@ class ForwardPass:
 
 @dataclass(frozen=True, slots=True)
 class PreparedStep:
-    """A step whose inputs are written on the host (prepare_forward), not yet queued."""
+    """A step whose inputs are written on the host (prepare_forward), not yet queued; with each
+    sampled row's draft tokens and first position among the sampled logits (_sample_positions)."""
 
     rows: StepRows
     inputs: StepInputs
+    drafts: list[list[int]]
+    first_position: np.ndarray
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,15 +399,15 @@ class ModelRunner:
         graph = (self.graphs.padded_shape(rows.num_tokens, len(rows.states), rows.num_decodes)
                  if self.graphs else None)
         step = self.prepare_inputs(rows, graph, self.batch.prompt_logprob_rows(rows))
+        drafts, first_position = _sample_positions(rows)
         if rows.sampled_ids:
             # The next step's pending tokens are this one's (launch_sampling puts them on the
             # device), at each row's first sampled position; never a row's that verified drafts:
             # the engine reads such a step back before it schedules the next.
-            drafts, first_position = _sample_positions(rows)
             self.last_sampled_rows = (rows.sampled_row_of if not drafts else
                                       {seq_id: int(first) for seq_id, first, row_drafts
                                        in zip(rows.sampled_ids, first_position, drafts) if not row_drafts})
-        return PreparedStep(rows, step)
+        return PreparedStep(rows, step, drafts, first_position)
 
     @torch.inference_mode()
     def launch_forward(self, prepared: PreparedStep) -> ForwardPass | None:
@@ -414,7 +420,8 @@ class ModelRunner:
         logits, prompt_host = self.execute_model(step)
         if not prepared.rows.sampled_ids and step.prompt_logprobs is None:
             return None
-        return ForwardPass(prepared.rows, logits, step.prompt_logprobs, prompt_host)
+        return ForwardPass(prepared.rows, prepared.drafts, prepared.first_position, logits, step.prompt_logprobs,
+                           prompt_host)
 
     @torch.inference_mode()
     def launch_sampling(self, forward: ForwardPass, grammar: GrammarBitmask | None = None) -> StepHandle:
@@ -427,15 +434,14 @@ class ModelRunner:
         with the probability p(draft), and otherwise the token comes from p without the draft,
         renormalised: speculative sampling's rule for a draft that is a point mass, which
         keeps every position's distribution p, greedy or not."""
-        rows, logits = forward.rows, forward.logits
+        rows, logits, drafts = forward.rows, forward.logits, forward.drafts
         sampled_ids = rows.sampled_ids
-        drafts, first_position = _sample_positions(rows)
         host = []
         if sampled_ids:
             assert logits is not None  # rank 0, with sampled rows
             if grammar is not None:  # (guided rows have no drafts)
                 # (Every position a guided row's: no row index to copy and gather by.)
-                guided_rows = None if len(grammar.rows) == len(logits) else first_position[grammar.rows]
+                guided_rows = None if len(grammar.rows) == len(logits) else forward.first_position[grammar.rows]
                 apply_token_bitmask(logits, grammar.bitmask, guided_rows)
             sampled = self.sampler(logits, self._sampling_metadata(rows, drafts))
             # The next step reads these on the device, for sequences whose token is still pending
