@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import minivllm
-from minivllm.config import EngineConfig, SpeculativeConfig, StructuredOutputsConfig
+from minivllm.config import EngineConfig
 from minivllm.engine.async_llm import AsyncLLM, EngineDeadError
 from minivllm.engine.data_parallel import DataParallelAsyncLLM, EngineClient
 from minivllm.entrypoints.openai.dashboard import DashboardFeed, add_dashboard_routes
@@ -301,9 +301,9 @@ class _APIKeyMiddleware:
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn's server with a draining shutdown on SIGINT or SIGTERM: new requests get a 503
-    at once, dashboard event streams end; requests in flight have shutdown_timeout_s to finish; then the engine ends the
-    rest with a 503 (a stream with an error event, then [DONE]); the server stops once their
-    responses are out."""
+    at once, dashboard event streams end; requests in flight have shutdown_timeout_s to finish;
+    then the engine ends the rest with a 503 (a stream with an error event, then [DONE]); the
+    server stops once their responses are out."""
 
     def __init__(self, config: uvicorn.Config, edge: _EdgeApp, engine: EngineClient, shutdown_timeout_s: float,
                  dashboard: DashboardFeed | None) -> None:
@@ -370,10 +370,8 @@ def run_server(args: argparse.Namespace) -> None:
                               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, seed=args.seed,
                               load_format=args.load_format,
                               enforce_eager=args.enforce_eager, reasoning_parser=args.reasoning_parser,
-                              structured_outputs_config=StructuredOutputsConfig.from_dict(
-                                  args.structured_outputs_config),
-                              speculative_config=(None if args.speculative_config is None
-                                                  else SpeculativeConfig.from_dict(args.speculative_config)))
+                              structured_outputs_config=args.structured_outputs_config,
+                              speculative_config=args.speculative_config)
         names = args.served_model_name or [args.model]
         log_stats_interval_s = None if args.disable_log_stats else 10.0
         # One replica: the AsyncLLM itself, with nothing in between.
