@@ -34,6 +34,7 @@ from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from minivllm.engine.async_llm import AsyncLLM, EngineDeadError
 from minivllm.engine.data_parallel import DataParallelAsyncLLM, EngineClient
 from minivllm.engine.kv_cache_manager import BLOCK_CACHED, BLOCK_FREE, BLOCK_IN_USE
+from minivllm.engine.metrics import kv_cache_usage
 from minivllm.entrypoints.openai.protocol import OpenAIError
 
 INTERVAL_S = 1.0  # between snapshots
@@ -110,7 +111,7 @@ class DashboardFeed:
             "num_preempted": snapshot.num_preempted, "num_preemptions": stats["num_preemptions"],
             "kv_cache": {"num_blocks": len(states), "block_size": snapshot.block_size, "free": int(num_free),
                          "in_use": int(num_in_use), "cached": int(num_cached),
-                         "usage": 1.0 - stats["num_free_blocks"] / stats["num_blocks"],
+                         "usage": kv_cache_usage(stats),
                          "map": base64.b64encode(cell_map).decode(), "blocks_per_cell": blocks_per_cell},
             "prefix_cache": {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else None,
                              "recent_hit_rate": _ratio(current, oldest, 4, 3)},
