@@ -77,9 +77,8 @@ def _tensor(layer: nn.Module, name: str) -> torch.Tensor:
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Online quantisation: weight [N, K] -> (float8 weight, float32 scale [N]), one scale per row
     (its largest magnitude maps to FP8_MAX)."""
-    weight = weight.float()
-    scale = weight.abs().amax(dim=1).clamp(min=MIN_SCALE) / FP8_MAX
-    return (weight / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    quantized, scale = quantize_activations(weight, None, None)
+    return quantized, scale.squeeze(1)
 
 
 def quantize_activations(x: torch.Tensor, group: int | None, static_scale: torch.Tensor | None
