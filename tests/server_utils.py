@@ -54,6 +54,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def serving(model_dir: str, *args: str, stop_signal: int = signal.SIGTERM, **kwargs: Any) -> Iterator[RemoteServer]:
+    """A RemoteServer (kwargs: its own) for the block, stopped after it with stop_signal; it must
+    exit with status 0 (its output says why not)."""
+    server = RemoteServer(model_dir, *args, **kwargs)
+    try:
+        yield server
+    finally:
+        assert server.stop(stop_signal) == 0, server.output()
+
+
 class RemoteServer:
     """`python -m minivllm serve MODEL ARGS` in a child process, up once /health answers."""
 

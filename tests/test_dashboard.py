@@ -19,7 +19,7 @@ import pytest
 from minivllm.engine.kv_cache_manager import BLOCK_CACHED, BLOCK_FREE, BLOCK_IN_USE
 from minivllm.entrypoints.openai.dashboard import MAX_MAP_CELLS, _block_map, _latency
 from tests import browser
-from tests.server_utils import Load, RemoteServer
+from tests.server_utils import Load, RemoteServer, serving
 
 KEY = "dash-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -64,11 +64,9 @@ def test_latency_percentiles_of_the_last_minutes() -> None:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_factory) -> Iterator[RemoteServer]:
-    server = RemoteServer(tiny_model_factory("Qwen3ForCausalLM"), *SERVER_ARGS, api_key=KEY)
-    try:
+    with serving(tiny_model_factory("Qwen3ForCausalLM"), *SERVER_ARGS, api_key=KEY,
+                 stop_signal=signal.SIGINT) as server:
         yield server
-    finally:
-        assert server.stop(signal.SIGINT) == 0, server.output()
 
 
 def snapshot(server: RemoteServer) -> dict[str, Any]:

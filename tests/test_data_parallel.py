@@ -19,7 +19,7 @@ import pytest
 
 from minivllm import LLM, SamplingParams
 from minivllm.engine.data_parallel import PrefixRouter, replica_cuda_devices
-from tests.server_utils import RemoteServer, alive, descendants
+from tests.server_utils import RemoteServer, alive, descendants, serving
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "A language model reads a prompt",
            "The dog sleeps in the sun, and", "Seven", "In the beginning"]
@@ -36,11 +36,8 @@ def model_dir(tiny_model_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(model_dir: str) -> Iterator[RemoteServer]:
-    server = RemoteServer(model_dir, *SERVER_ARGS)
-    try:
+    with serving(model_dir, *SERVER_ARGS, stop_signal=signal.SIGINT) as server:
         yield server
-    finally:
-        assert server.stop(signal.SIGINT) == 0, server.output()
 
 
 def engine_samples(server: RemoteServer, name: str) -> dict[str, float]:

@@ -16,7 +16,7 @@ import pytest
 from lm_eval.models.openai_completions import LocalCompletionsAPI
 from lm_eval.tasks import TaskManager
 
-from tests.server_utils import RemoteServer
+from tests.server_utils import RemoteServer, serving
 
 pytestmark = pytest.mark.slow  # the real SmolLM2, served and in transformers
 
@@ -61,12 +61,9 @@ metric_list:
 
 @pytest.fixture(scope="module")
 def server(gguf_path: str) -> Iterator[RemoteServer]:
-    server = RemoteServer(gguf_path, "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20),
-                          "--disable-log-stats", "--enable-tokenizer-info-endpoint")
-    try:
+    with serving(gguf_path, "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20), "--disable-log-stats",
+                 "--enable-tokenizer-info-endpoint", stop_signal=signal.SIGINT) as server:
         yield server
-    finally:
-        assert server.stop(signal.SIGINT) == 0, server.output()
 
 
 def evaluate(task_manager: TaskManager, model: str | LocalCompletionsAPI,

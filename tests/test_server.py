@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from minivllm import LLM, SamplingParams, StructuredOutputsParams
 from tests.hf_oracle import hf_greedy
-from tests.server_utils import RemoteServer, alive, descendants, openai_error
+from tests.server_utils import RemoteServer, alive, descendants, openai_error, serving
 
 pytestmark = pytest.mark.slow  # server subprocesses, each loading a model
 
@@ -41,12 +41,9 @@ def model_dir(tiny_model_factory) -> str:
 @pytest.fixture(scope="module")
 def server(model_dir: str) -> Iterator[RemoteServer]:
     # 8-token pages: the tests' short prompts, repeated, then fill whole pages and hit the prefix cache
-    server = RemoteServer(model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "8",
-                          "--kv-cache-memory-bytes", str(KV_CACHE_BYTES))
-    try:
+    with serving(model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "8",
+                 "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), stop_signal=signal.SIGINT) as server:
         yield server
-    finally:
-        assert server.stop(signal.SIGINT) == 0, server.output()
 
 
 @pytest.fixture(scope="module")
@@ -624,8 +621,7 @@ def test_tokenizer_info(model_dir: str) -> None:
     finds it (by /tokenize). (This server, started for it, also shows that --disable-dashboard
     leaves no /dashboard.)"""
     hf = AutoTokenizer.from_pretrained(model_dir)
-    server = RemoteServer(model_dir, "--enable-tokenizer-info-endpoint", "--disable-dashboard")
-    try:
+    with serving(model_dir, "--enable-tokenizer-info-endpoint", "--disable-dashboard") as server:
         for path in ("/dashboard", "/dashboard/events", "/dashboard/snapshot"):
             openai_error(httpx.get(server.url + path), 404)
         response = httpx.get(f"{server.url}/tokenizer_info")
@@ -641,16 +637,13 @@ def test_tokenizer_info(model_dir: str) -> None:
         assert "vocab_file" not in info and "merges_file" not in info
         tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False})
         assert tokens.json()["tokens"] == [hf.eos_token_id]
-    finally:
-        assert server.stop(signal.SIGTERM) == 0, server.output()
 
 
 # --- API key, tensor parallelism, shutdown ----------------------------------------------------
 
 
 def test_api_key(model_dir: str) -> None:
-    server = RemoteServer(model_dir, api_key="sekrit")
-    try:
+    with serving(model_dir, api_key="sekrit") as server:
         url = f"{server.url}/v1/completions"
         body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
         assert "API key" in openai_error(httpx.post(url, json=body), 401)
@@ -661,8 +654,6 @@ def test_api_key(model_dir: str) -> None:
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
         assert server.client().completions.create(**body).usage.completion_tokens >= 1
-    finally:
-        assert server.stop(signal.SIGTERM) == 0, server.output()
 
 
 def _engine_pid(server_pid: int) -> int:
@@ -684,15 +675,12 @@ def _parent(pid: int) -> int:
 
 def test_tensor_parallel_server_answers_and_shuts_down(model_dir: str, offline: LLM) -> None:
     expected = greedy_text(offline, PROMPTS[1], 8)
-    server = RemoteServer(model_dir, "--tensor-parallel-size", "2", "--max-model-len", str(MAX_MODEL_LEN))
-    processes = descendants(server.process.pid)
-    try:
+    with serving(model_dir, "--tensor-parallel-size", "2", "--max-model-len", str(MAX_MODEL_LEN)) as server:
+        processes = descendants(server.process.pid)
         assert len(processes) >= 3, "the engine process and its tensor-parallel worker (and a resource tracker)"
         response = server.client().completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=8, temperature=0,
                                                       extra_body=NO_EOS)
         assert response.choices[0].text == expected
-    finally:
-        assert server.stop(signal.SIGTERM) == 0, server.output()
     deadline = time.monotonic() + 10
     while any(alive(pid) for pid in processes) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server_utils import RemoteServer, alive, descendants, openai_error
+from tests.server_utils import RemoteServer, alive, descendants, openai_error, serving
 
 pytestmark = pytest.mark.slow  # server subprocesses, signals, fuzzed bodies
 
@@ -37,11 +37,8 @@ def model_dir(tiny_model_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(model_dir: str) -> Iterator[RemoteServer]:
-    server = RemoteServer(model_dir, *SERVER_ARGS)
-    try:
+    with serving(model_dir, *SERVER_ARGS) as server:
         yield server
-    finally:
-        assert server.stop(signal.SIGTERM) == 0, server.output()
 
 
 @pytest.fixture
@@ -86,34 +83,31 @@ def test_template_kwargs_may_not_set_the_calls_own_arguments(client: httpx.Clien
 
 
 def test_trusted_request_templates_are_bounded_in_time_and_memory(model_dir: str) -> None:
-    server = RemoteServer(model_dir, *SERVER_ARGS, "--trust-request-chat-template")
-    try:
-        with httpx.Client(base_url=server.url, timeout=60) as client:
-            # A trusted template renders (this one ignores the messages).
-            body = {**CHAT, "chat_template": "Hello there", "max_tokens": 1}
-            tokens = client.post("/tokenize", json={"prompt": "Hello there", "add_special_tokens": False}).json()
-            assert client.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"] == tokens["count"]
-            # A template that runs forever is stopped; /health answers meanwhile (the render is
-            # not on the event loop, nor in the server's process).
-            slow: dict[str, httpx.Response] = {}
-            render = threading.Thread(target=lambda: slow.setdefault("response", client.post(
-                "/v1/chat/completions", json={**CHAT, "chat_template": SLOW_TEMPLATE})))
-            start = time.monotonic()
-            render.start()
-            time.sleep(0.5)
-            health_start = time.monotonic()
-            assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
-            assert time.monotonic() - health_start < 1.0
-            render.join()
-            assert "took longer than 5 s" in openai_error(slow["response"], 400)
-            assert time.monotonic() - start < 15
-            # A template that allocates gigabytes fails on the render process's memory limit.
-            huge = client.post("/v1/chat/completions", json={**CHAT, "chat_template": HUGE_TEMPLATE})
-            assert "MiB of memory" in openai_error(huge, 400)
-            # The render process came back: chat works again.
-            assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
-    finally:
-        assert server.stop(signal.SIGTERM) == 0, server.output()
+    with (serving(model_dir, *SERVER_ARGS, "--trust-request-chat-template") as server,
+          httpx.Client(base_url=server.url, timeout=60) as client):
+        # A trusted template renders (this one ignores the messages).
+        body = {**CHAT, "chat_template": "Hello there", "max_tokens": 1}
+        tokens = client.post("/tokenize", json={"prompt": "Hello there", "add_special_tokens": False}).json()
+        assert client.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"] == tokens["count"]
+        # A template that runs forever is stopped; /health answers meanwhile (the render is
+        # not on the event loop, nor in the server's process).
+        slow: dict[str, httpx.Response] = {}
+        render = threading.Thread(target=lambda: slow.setdefault("response", client.post(
+            "/v1/chat/completions", json={**CHAT, "chat_template": SLOW_TEMPLATE})))
+        start = time.monotonic()
+        render.start()
+        time.sleep(0.5)
+        health_start = time.monotonic()
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+        assert time.monotonic() - health_start < 1.0
+        render.join()
+        assert "took longer than 5 s" in openai_error(slow["response"], 400)
+        assert time.monotonic() - start < 15
+        # A template that allocates gigabytes fails on the render process's memory limit.
+        huge = client.post("/v1/chat/completions", json={**CHAT, "chat_template": HUGE_TEMPLATE})
+        assert "MiB of memory" in openai_error(huge, 400)
+        # The render process came back: chat works again.
+        assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
 
 
 # --- text that is not valid Unicode, and malformed JSON ---------------------------------------

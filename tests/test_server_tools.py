@@ -17,7 +17,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from tests.server_utils import RemoteServer, openai_error
+from tests.server_utils import RemoteServer, openai_error, serving
 from tests.tool_models import TIME_TOOL, WEATHER_TOOL, build_tool_model
 
 pytestmark = pytest.mark.slow  # a server subprocess
@@ -39,12 +39,10 @@ def tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
 
 @pytest.fixture(scope="module")
 def server(model_dir: str) -> Iterator[RemoteServer]:
-    server = RemoteServer(model_dir, "--max-model-len", "512", "--kv-cache-memory-bytes", str(24 << 20),
-                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
-    try:
+    with serving(model_dir, "--max-model-len", "512", "--kv-cache-memory-bytes", str(24 << 20),
+                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+                 stop_signal=signal.SIGINT) as server:
         yield server
-    finally:
-        assert server.stop(signal.SIGINT) == 0, server.output()
 
 
 def extra(model: Any, name: str) -> Any:

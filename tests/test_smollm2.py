@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 import minivllm
 from minivllm import LLM, SamplingParams, StructuredOutputsParams
 from minivllm.entrypoints.cli import main
-from tests.server_utils import RemoteServer
+from tests.server_utils import RemoteServer, serving
 from tests.tool_models import WEATHER_TOOL
 
 pytestmark = pytest.mark.slow  # the real SmolLM2-135M, against transformers
@@ -103,12 +103,9 @@ def test_generate_defaults_to_smollm2(llm: LLM, gguf_path: str, monkeypatch: pyt
 
 @pytest.fixture(scope="module")
 def server(gguf_path: str) -> Iterator[RemoteServer]:
-    server = RemoteServer(gguf_path, "--max-model-len", str(MAX_MODEL_LEN), "--disable-log-stats",
-                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    try:
+    with serving(gguf_path, "--max-model-len", str(MAX_MODEL_LEN), "--disable-log-stats",
+                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes", stop_signal=signal.SIGINT) as server:
         yield server
-    finally:
-        assert server.stop(signal.SIGINT) == 0, server.output()
 
 
 def test_serve_answers_a_chat_completion(server: RemoteServer) -> None:
