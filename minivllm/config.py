@@ -87,16 +87,26 @@ class StructuredOutputsConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding: vLLM's `speculative_config` (the keys minivllm has). "ngram" drafts
-    by prompt lookup: where the sequence's last n tokens (n from prompt_lookup_max down to
-    prompt_lookup_min) occurred before in its prompt or output, the tokens that followed them
-    there, up to num_speculative_tokens; the model verifies them in one step (engine/ngram_proposer.py)."""
+    """Speculative decoding: vLLM's `speculative_config` (the keys minivllm has). Draft tokens
+    come from the sequence's own tokens (and earlier outputs); the model verifies them in one
+    step. "ngram" drafts by prompt lookup: where the sequence's last n tokens (n from
+    prompt_lookup_max down to prompt_lookup_min) occurred before in its prompt or output, the
+    tokens that followed them there, up to num_speculative_tokens (engine/ngram_proposer.py).
+    "suffix" drafts by suffix decoding: the longest match of its last tokens (at most
+    suffix_decoding_max_tree_depth) in its own tokens or in the outputs of the last
+    suffix_decoding_max_cached_requests requests, continued by the most frequent tokens that
+    followed there (engine/suffix_proposer.py)."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = None  # type: ignore[assignment]  # required
+    num_speculative_tokens: int = None  # type: ignore[assignment]  # required for ngram
     # As vLLM: either alone sets both; neither: 5 and 5 (typed as resolved, as EngineConfig's lengths).
     prompt_lookup_max: int = None  # type: ignore[assignment]
     prompt_lookup_min: int = None  # type: ignore[assignment]
+    # Suffix decoding's, with vLLM's defaults; its num_speculative_tokens defaults to the depth.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "SpeculativeConfig":
@@ -105,21 +115,35 @@ class SpeculativeConfig:
         return cls(**values)
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
+        if self.method not in ("ngram", "suffix"):
             raise ValueError(f"speculative_config method {self.method!r} is not available: minivllm drafts "
-                             "by prompt lookup (\"ngram\").")
+                             "by prompt lookup (\"ngram\") and by suffix decoding (\"suffix\").")
+        if self.method == "suffix" and self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens", self.suffix_decoding_max_tree_depth)  # (frozen)
         if self.num_speculative_tokens is None:
             raise ValueError("speculative_config needs num_speculative_tokens (the draft tokens per step).")
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                     "suffix_decoding_max_tree_depth"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"speculative_config {name} must be an integer of at least 1, got {value!r}.")
+        cached = self.suffix_decoding_max_cached_requests
+        if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
+            raise ValueError("speculative_config suffix_decoding_max_cached_requests must be an integer of at "
+                             f"least 0 (0: no earlier outputs), got {cached!r}.")
+        factor, min_prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ValueError(f"speculative_config suffix_decoding_max_spec_factor must be a number above 0, "
+                             f"got {factor!r}.")
+        if isinstance(min_prob, bool) or not isinstance(min_prob, (int, float)) or not 0 <= min_prob <= 1:
+            raise ValueError(f"speculative_config suffix_decoding_min_token_prob must be a number from 0 to 1, "
+                             f"got {min_prob!r}.")
         lookup_max = self.prompt_lookup_max or self.prompt_lookup_min or 5
         lookup_min = self.prompt_lookup_min or self.prompt_lookup_max or 5
         if lookup_min > lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min ({lookup_min}) must not exceed "
                              f"prompt_lookup_max ({lookup_max}).")
-        object.__setattr__(self, "prompt_lookup_max", lookup_max)  # (frozen)
+        object.__setattr__(self, "prompt_lookup_max", lookup_max)
         object.__setattr__(self, "prompt_lookup_min", lookup_min)
 
 

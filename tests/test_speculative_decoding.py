@@ -83,15 +83,16 @@ def test_config_as_vllm_takes_it(model_dir: str, capsys: pytest.CaptureFixture) 
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig.from_dict(values)
     with pytest.raises(SystemExit) as exit_info:
-        main(["generate", "--model", model_dir, "--speculative-config", '{"method": "suffix"}'])
-    assert exit_info.value.code == 2 and "method 'suffix'" in capsys.readouterr().err
+        main(["generate", "--model", model_dir, "--speculative-config", '{"method": "eagle"}'])
+    assert exit_info.value.code == 2 and "method 'eagle'" in capsys.readouterr().err
 
 
-def test_greedy_is_hf_with_cache_hits_chunked_prefill_and_preemption(model_dir: str) -> None:
+@pytest.mark.parametrize("spec", [SPEC, {"method": "suffix", "num_speculative_tokens": 3}], ids=["ngram", "suffix"])
+def test_greedy_is_hf_with_cache_hits_chunked_prefill_and_preemption(model_dir: str, spec: dict) -> None:
     """Drafts verified in steps that also run prompt chunks; prompts sharing blocks; a cache
     so small that sequences are preempted and recomputed, drafts and all."""
     llm = LLM(model_dir, dtype="float32", max_model_len=128, block_size=4, max_num_batched_tokens=16,
-              num_gpu_blocks_override=40, max_num_seqs=6, speculative_config=SPEC)
+              num_gpu_blocks_override=40, max_num_seqs=6, speculative_config=spec)
     shared = random_prompt(12, seed=1)
     prompts = [shared + random_prompt(9, seed=2), shared + random_prompt(5, seed=3), random_prompt(23, seed=4),
                random_prompt(7, seed=5), shared + random_prompt(9, seed=2), random_prompt(30, seed=6)]

@@ -8,6 +8,7 @@ import numpy as np
 
 from minivllm.config import SpeculativeConfig
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.token_arrays import TokenArrays
 
 
 def find_draft(tokens: np.ndarray, min_n: int, max_n: int, max_tokens: int) -> np.ndarray:
@@ -38,36 +39,20 @@ def find_draft(tokens: np.ndarray, min_n: int, max_n: int, max_tokens: int) -> n
 
 
 class NgramProposer:
-    """Proposes each decoding sequence's draft tokens (find_draft) from a numpy copy of its
-    tokens that it keeps, growing it with the sequence's new tokens: a sequence's tokens are
-    converted once, not at every step."""
+    """Proposes each decoding sequence's draft tokens (find_draft) from its tokens as an array."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.num_speculative_tokens = config.num_speculative_tokens
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
-        self._tokens: dict[int, tuple[np.ndarray, int]] = {}  # seq_id -> (buffer, tokens in it)
+        self._tokens = TokenArrays()
 
     def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
         """Up to min(num_speculative_tokens, max_tokens) draft tokens to follow seq's known
         tokens; [] when its suffix occurred nowhere before."""
-        return find_draft(self._token_array(seq), self.min_n, self.max_n,
+        return find_draft(self._tokens.get(seq), self.min_n, self.max_n,
                           min(self.num_speculative_tokens, max_tokens)).tolist()
 
-    def _token_array(self, seq: Sequence) -> np.ndarray:
-        """seq's known tokens, as a view of its buffer (tokens are only ever appended)."""
-        buffer, size = self._tokens.get(seq.seq_id, (np.empty(0, dtype=np.int64), 0))
-        token_ids = seq.token_ids
-        if len(token_ids) > size:
-            if len(token_ids) > len(buffer):
-                grown = np.empty(max(2 * len(buffer), len(token_ids) + 64), dtype=np.int64)
-                grown[:size] = buffer[:size]
-                buffer = grown
-            buffer[size:len(token_ids)] = token_ids[size:]
-            size = len(token_ids)
-            self._tokens[seq.seq_id] = (buffer, size)
-        return buffer[:size]
-
-    def forget(self, seq_id: int) -> None:
+    def finish(self, seq: Sequence) -> None:
         """Drop a finished sequence's copy."""
-        self._tokens.pop(seq_id, None)
+        self._tokens.drop(seq.seq_id)

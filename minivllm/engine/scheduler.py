@@ -7,18 +7,38 @@ sequence is preempted: its blocks are freed and it is recomputed later from the 
 the waiting queue.
 
 With speculative decoding, a decoding sequence whose tokens are all known may carry draft
-tokens (engine/ngram_proposer.py): its row computes them after its last token, and the step
-verifies them. Its computed count then runs ahead by the drafts until the step is read back
-(settle_drafts rolls it back to the accepted ones). Rows guided by a grammar take no drafts.
+tokens (a DraftProposer's: engine/ngram_proposer.py, engine/suffix_proposer.py): its row
+computes them after its last token, and the step verifies them. Its computed count then runs
+ahead by the drafts until the step is read back (settle_drafts rolls it back to the accepted
+ones). Rows guided by a grammar take no drafts.
 """
 
 from collections import deque
+from typing import Protocol
 
-from minivllm.config import EngineConfig
+from minivllm.config import EngineConfig, SpeculativeConfig
 from minivllm.engine.kv_cache_manager import KVCacheManager
 from minivllm.engine.ngram_proposer import NgramProposer
 from minivllm.engine.scheduler_output import BlockUpdate, NewSequenceData, SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.engine.suffix_proposer import SuffixProposer
+
+
+class DraftProposer(Protocol):
+    """Speculative decoding's source of draft tokens (one per speculative_config method)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None: ...
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        """At most max_tokens draft tokens to follow seq's known tokens."""
+        ...
+
+    def finish(self, seq: Sequence) -> None:
+        """seq finished (stopped, at its length limit, or aborted)."""
+        ...
+
+
+PROPOSERS: dict[str, type[DraftProposer]] = {"ngram": NgramProposer, "suffix": SuffixProposer}
 
 
 class _StepBuilder:
@@ -83,7 +103,7 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.kv_cache_manager = kv_cache_manager
         spec = config.speculative_config
-        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.proposer = PROPOSERS[spec.method](spec) if spec is not None else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -187,7 +207,7 @@ class Scheduler:
             self._finished_seq_ids.append(seq.seq_id)
         seq.num_pending_tokens = 0  # whatever is still in flight for it is dropped
         if self.proposer is not None:
-            self.proposer.forget(seq.seq_id)
+            self.proposer.finish(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = finish_reason
         seq.stop_reason = stop_reason

@@ -1,0 +1,174 @@
+"""Draft tokens by suffix decoding (speculative decoding's "suffix" method, as vLLM's; the
+method of SuffixDecoding, arXiv:2411.04975): the longest recent stretch of a sequence that
+occurred before, in its own prompt and output or in the outputs of earlier requests, and after
+it the continuation seen most often there, token by token while it stays likely enough.
+
+What vLLM runs through Arctic Inference's suffix trees, this finds with array searches, which
+count the same things: where a pattern occurs (a token's occurrences, narrowed one token back
+at a time) and, after those places, how often each next token follows. A draft is as long as
+the match allows (suffix_decoding_max_spec_factor tokens per matched token, at most
+num_speculative_tokens) and stops where the path's probability (each token's share of the
+continuations before it, multiplied) falls below suffix_decoding_min_token_prob. The sequence's
+own tokens and the earlier outputs each propose a draft; the one whose tokens' probabilities
+sum higher is taken.
+"""
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from minivllm.config import SpeculativeConfig
+from minivllm.engine.sequence import Sequence
+from minivllm.engine.token_arrays import TokenArrays
+
+# Earlier outputs are kept in segments of about this many tokens; a full segment is indexed once
+# (its tokens sorted), so that finding a token's occurrences in it is a binary search.
+SEGMENT_TOKENS = 1 << 16
+SEPARATOR = -1  # between two outputs in a segment: no pattern or continuation crosses it
+
+# Occurrences of a pattern: (tokens, positions where an occurrence ends), over one or more arrays.
+Occurrences = list[tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    tokens: list[int]
+    score: float  # the sum of the tokens' probabilities: how much of the draft to expect accepted
+
+
+def suffix_draft(occurrences: Occurrences, pattern: np.ndarray, max_tokens: int, max_spec_factor: float,
+                 min_token_prob: float) -> Draft:
+    """The draft to follow `pattern` given where its last token occurs (occurrences): the
+    occurrences are narrowed to those of the longest suffix of pattern that occurs, then
+    followed token by token by the most frequent next token (ties: the smallest id), each
+    token's probability being its share of the occurrences that reached it (those at an
+    array's end or before a separator count as continuing nowhere)."""
+    occurrences = [(tokens, ends) for tokens, ends in occurrences if len(ends)]
+    matched = 1 if occurrences else 0
+    while occurrences and matched < len(pattern):
+        want = pattern[-1 - matched]
+        narrowed = []
+        for tokens, ends in occurrences:
+            ends = ends[ends >= matched]
+            ends = ends[tokens[ends - matched] == want]
+            if len(ends):
+                narrowed.append((tokens, ends))
+        if not narrowed:
+            break
+        occurrences = narrowed
+        matched += 1
+    budget = min(max_tokens, math.ceil(matched * max_spec_factor - 1e-9))
+    draft: list[int] = []
+    score, prob = 0.0, 1.0
+    nexts = [(tokens, ends + 1) for tokens, ends in occurrences]
+    while len(draft) < budget and nexts:
+        total = sum(len(positions) for _, positions in nexts)
+        following = [(tokens, positions[positions < len(tokens)]) for tokens, positions in nexts]
+        candidates = np.concatenate([tokens[positions] for tokens, positions in following])
+        candidates = candidates[candidates != SEPARATOR]
+        if not len(candidates):
+            break
+        values, counts = np.unique(candidates, return_counts=True)
+        best = int(counts.argmax())
+        prob *= counts[best] / total
+        if prob < min_token_prob:
+            break
+        token = int(values[best])
+        draft.append(token)
+        score += prob
+        nexts = [(tokens, positions[tokens[positions] == token] + 1) for tokens, positions in following]
+        nexts = [(tokens, positions) for tokens, positions in nexts if len(positions)]
+    return Draft(draft, score)
+
+
+class _Segment:
+    """Earlier outputs, concatenated with separators; indexed once full."""
+
+    __slots__ = ("_order", "_sorted", "num_outputs", "open_tokens", "tokens")
+
+    def __init__(self) -> None:
+        self.open_tokens: list[int] = []  # while the segment fills
+        self.tokens = np.empty(0, dtype=np.int64)
+        self.num_outputs = 0
+        self._order: np.ndarray | None = None
+        self._sorted: np.ndarray | None = None
+
+    def add(self, output: Iterable[int]) -> None:
+        self.open_tokens.extend(output)
+        self.open_tokens.append(SEPARATOR)
+        self.num_outputs += 1
+        self.tokens = np.array(self.open_tokens, dtype=np.int64)
+
+    def seal(self) -> None:
+        """Index the full segment: its positions in the order of their tokens."""
+        self.open_tokens = []
+        self._order = np.argsort(self.tokens, kind="stable")
+        self._sorted = self.tokens[self._order]
+
+    def occurrences(self, token: int) -> np.ndarray:
+        if self._order is None or self._sorted is None:
+            return np.flatnonzero(self.tokens == token)
+        lo, hi = np.searchsorted(self._sorted, [token, token + 1])
+        return self._order[lo:hi]
+
+
+class OutputCache:
+    """The outputs of the last max_requests finished requests (about: a whole segment of the
+    oldest goes at a time), where a token's occurrences are looked up."""
+
+    def __init__(self, max_requests: int) -> None:
+        self.max_requests = max_requests
+        self._segments: deque[_Segment] = deque()
+        self._num_outputs = 0
+
+    def add(self, output: list[int]) -> None:
+        if self.max_requests <= 0 or not output:
+            return
+        if not self._segments or len(self._segments[-1].tokens) >= SEGMENT_TOKENS:
+            if self._segments:
+                self._segments[-1].seal()
+            self._segments.append(_Segment())
+        self._segments[-1].add(output)
+        self._num_outputs += 1
+        while self._num_outputs - self._segments[0].num_outputs >= self.max_requests:
+            self._num_outputs -= self._segments.popleft().num_outputs
+
+    def occurrences(self, token: int) -> Occurrences:
+        return [(segment.tokens, segment.occurrences(token)) for segment in self._segments]
+
+
+class SuffixProposer:
+    """Proposes each decoding sequence's draft from its own tokens and the earlier outputs."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.max_depth = config.suffix_decoding_max_tree_depth
+        self.max_spec_factor = config.suffix_decoding_max_spec_factor
+        self.min_token_prob = config.suffix_decoding_min_token_prob
+        self.outputs = OutputCache(config.suffix_decoding_max_cached_requests)
+        self._tokens = TokenArrays()
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        """Up to min(num_speculative_tokens, max_tokens) draft tokens to follow seq's known
+        tokens (the better of its own tokens' draft and the earlier outputs'); [] when its last
+        token occurred nowhere before."""
+        tokens = self._tokens.get(seq)
+        if not len(tokens):
+            return []
+        pattern = tokens[-self.max_depth:]
+        last = int(tokens[-1])
+        max_tokens = min(self.num_speculative_tokens, max_tokens)
+        # (Its own occurrences end before the last token: that is the pattern itself.)
+        own = suffix_draft([(tokens, np.flatnonzero(tokens[:-1] == last))], pattern, max_tokens,
+                           self.max_spec_factor, self.min_token_prob)
+        earlier = suffix_draft(self.outputs.occurrences(last), pattern, max_tokens, self.max_spec_factor,
+                               self.min_token_prob)
+        return (earlier if earlier.score > own.score else own).tokens
+
+    def finish(self, seq: Sequence) -> None:
+        """A sequence finished: its output joins the earlier outputs."""
+        self._tokens.drop(seq.seq_id)
+        self.outputs.add(seq.output_token_ids)
