@@ -52,7 +52,8 @@ class FusedMoE(CustomOp):
             block = fp8_config.weight_block
             if self.uses_triton and block is not None and block[1] % 16:
                 raise ValueError(f"The checkpoint's {block[0]}x{block[1]} weight blocks are not a multiple of 16 "
-                                 "columns wide, which the Triton mixture-of-experts kernel needs: pass kernels='torch'.")
+                                 "columns wide, which the Triton mixture-of-experts kernel needs: pass "
+                                 "kernels='torch'.")
             size = self.local_intermediate
             self.fp8 = (Fp8LinearMethod(fp8_config, [size, size], hidden_size, 0, num_experts, "w13"),
                         Fp8LinearMethod(fp8_config, [hidden_size], size, 1, num_experts, "w2"))
