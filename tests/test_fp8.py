@@ -387,7 +387,7 @@ def test_dummy_weights_in_fp8(tiny_model_factory) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["fp8-block", "ct-channel-dynamic"])
+@pytest.mark.parametrize("name", ["fp8-block", "ct-channel-dynamic", "moe-fp8-block", "moe-ct-tensor-static"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: torch._scaled_mm for per-channel scales
 def test_fp8_checkpoint_on_the_gpu(name: str, dtype: str, tiny_model_factory, tmp_path) -> None:
     """FP8 layers in the GPU engine (Triton kernels, CUDA graphs): the graphs replay what eager steps

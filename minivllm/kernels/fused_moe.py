@@ -276,11 +276,15 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, route: tor
     align None: one expert (w [1, N, K]), slot s is row s. fp8: w (and a, with a_scale) are
     float8 with those scales, widened to out's dtype tile by tile in the kernel."""
     n, k = out.shape[1], a.shape[1]
-    block_k = cfg["BLOCK_K"]
+    block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
     scale_n, scale_k = 1, 0
     if fp8 is not None and fp8.block is not None:
         scale_n, scale_k = fp8.block
         block_k = block_k_tile(scale_k, block_k)
+        # Each K block's product is a third fp32 tile beside the gated pair: the largest tiles
+        # (prefill's) take half the columns, as their registers would spill (sm_90).
+        if gated and cfg["BLOCK_M"] * block_n > 64 * 128:
+            block_n //= 2
     a_scale = None if fp8 is None else fp8.a_scale
     w_scale = None if fp8 is None else fp8.weight_scale
     if align is None:
@@ -289,7 +293,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, route: tor
     else:
         sorted_slots, expert_ids, num_padded = align
         num_blocks_m = expert_ids.numel()
-    grid = (num_blocks_m * cdiv(n, cfg["BLOCK_N"]),)
+    grid = (num_blocks_m * cdiv(n, block_n),)
     _grouped_gemm_kernel[grid](
         a, w, out, route, a_scale, w_scale, sorted_slots, expert_ids, num_padded,
         out.shape[0], num_blocks_m, n, k,
@@ -307,7 +311,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, route: tor
         SCALE_K=scale_k,
         EVEN_K=k % block_k == 0,
         BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_N=block_n,
         BLOCK_K=block_k,
         GROUP_M=cfg["GROUP_M"],
         DOT_PRECISION=dot_precision(out.dtype),
