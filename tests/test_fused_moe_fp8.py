@@ -107,6 +107,20 @@ def test_half_precision(name: str) -> None:
     check(SCHEMES[name], 7, 2, torch.float16)
 
 
+@pytest.mark.parametrize("name", ["fp8-block", "ct-channel-dynamic"])
+def test_prefill_tiles(name: str) -> None:
+    """The largest tiles (128 x 128, which block scales halve to 128 x 64 for gate and up) on a
+    small problem: the layer's output."""
+    from minivllm.kernels.fused_moe import fused_moe
+
+    native, triton = build_pair(SCHEMES[name], 8, 64, 48, torch.float32)
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    weights, ids = routing(40, 8, 2, seed=2)
+    config = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3)
+    got = fused_moe(x, triton.w13, triton.w2, weights, ids, config=config, fp8=triton.fp8_experts())
+    torch.testing.assert_close(got, native(x, weights, ids), atol=TOL[torch.float32][0], rtol=TOL[torch.float32][1])
+
+
 def test_block_columns_the_kernel_cannot_tile_are_refused() -> None:
     with use_triton_kernels(True), fp8_linear_layers(Fp8Config("fp8", (16, 40), "dynamic")), \
             pytest.raises(ValueError, match="16x40 weight blocks are not a multiple of 16 columns"):

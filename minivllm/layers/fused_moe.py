@@ -11,6 +11,8 @@ scheme says): the Triton kernel reads them as float8 and applies the scales in t
 torch loop multiplies by each expert's dequantised weights.
 """
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,6 +20,9 @@ from torch import nn
 from minivllm.distributed import all_reduce, tp_rank, tp_size
 from minivllm.layers.custom_op import CustomOp
 from minivllm.layers.fp8_linear import Fp8LinearMethod, building_fp8
+
+if TYPE_CHECKING:  # a type only: the torch path imports nothing from kernels/
+    from minivllm.kernels.fused_moe import Fp8Experts
 
 # Where a checkpoint tensor goes in the packed weights: (expert, shard). expert is None
 # when the tensor holds every expert (a leading expert dimension, as transformers' packed
@@ -113,14 +118,18 @@ class FusedMoE(CustomOp):
 
     def forward_triton(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
                        ) -> torch.Tensor:
-        from minivllm.kernels.fused_moe import Fp8Experts, fused_moe  # imported only where Triton is used
-        fp8 = None
-        if self.fp8 is not None:
-            w13, w2 = self.fp8
-            quantize = None if w13.config.activation_scheme == "none" else self._quantize_input
-            fp8 = Fp8Experts(w13.weight_and_scale(self)[1], w2.weight_and_scale(self)[1], w13.config.weight_block,
-                             quantize)
-        return all_reduce(fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids, fp8=fp8))
+        from minivllm.kernels.fused_moe import fused_moe  # imported only where Triton is used
+        return all_reduce(fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids, fp8=self.fp8_experts()))
+
+    def fp8_experts(self) -> "Fp8Experts | None":
+        """The kernel's view of the FP8 experts' scales and input quantisation (None: not FP8)."""
+        from minivllm.kernels.fused_moe import Fp8Experts  # imported only where Triton is used
+        if self.fp8 is None:
+            return None
+        w13, w2 = self.fp8
+        quantize = None if w13.config.activation_scheme == "none" else self._quantize_input
+        return Fp8Experts(w13.weight_and_scale(self)[1], w2.weight_and_scale(self)[1], w13.config.weight_block,
+                          quantize)
 
     def _quantize_input(self, x: torch.Tensor, projection: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The input of projection 0 (w13) or 1 (w2), quantised as its FP8 scheme says."""
