@@ -144,7 +144,7 @@ def _grouped_gemm_kernel(
     w_ptr,  # [E, N, K], GATED: [E, 2 * N, K] (gate rows, then up rows)
     out_ptr,  # [num_slots, N]
     route_ptr,  # [num_slots] fp32 routing weights (ROUTED)
-    a_scale_ptr,  # A_SCALED: a is float8, a[r, k] * a_scale[r, k // SCALE_K] (SCALE_K: K for one per row)
+    a_scale_ptr,  # A_SCALED: a is float8, a[r, k] * a_scale[r, k // SCALE_K] (SCALE_K 0: a_scale[r])
     w_scale_ptr,  # W_SCALED: w is float8, w[e, n, k] * w_scale[e, n // SCALE_N, k // SCALE_K]
     sorted_ptr, expert_ids_ptr, num_padded_ptr,  # from moe_align (SORTED)
     num_slots, num_blocks_m, N, K,
@@ -213,16 +213,16 @@ def _grouped_gemm_kernel(
                 w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0).to(dot_dtype)
                 up = tl.dot(a, w_up, up, input_precision=DOT_PRECISION)
         else:  # a scale per block of SCALE_K columns: each block's product scaled as it is added
-            scale = tl.load(w_scale_ptrs + k // SCALE_K, mask=n_mask, other=0.0)[None, :]
+            block_k = k // SCALE_K
+            a_scale = 1.0
             if A_SCALED:
-                scale = scale * tl.load(a_scale_ptrs + k // SCALE_K, mask=valid, other=0.0)[:, None]
-            acc += tl.dot(a, w, input_precision=DOT_PRECISION) * scale
+                a_scale = tl.load(a_scale_ptrs + block_k, mask=valid, other=0.0)[:, None]
+            w_scale = tl.load(w_scale_ptrs + block_k, mask=n_mask, other=0.0)[None, :]
+            acc += tl.dot(a, w, input_precision=DOT_PRECISION) * (w_scale * a_scale)
             if GATED:
                 w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0).to(dot_dtype)
-                scale = tl.load(w_scale_ptrs + up_scales + k // SCALE_K, mask=n_mask, other=0.0)[None, :]
-                if A_SCALED:
-                    scale = scale * tl.load(a_scale_ptrs + k // SCALE_K, mask=valid, other=0.0)[:, None]
-                up += tl.dot(a, w_up, input_precision=DOT_PRECISION) * scale
+                w_scale = tl.load(w_scale_ptrs + up_scales + block_k, mask=n_mask, other=0.0)[None, :]
+                up += tl.dot(a, w_up, input_precision=DOT_PRECISION) * (w_scale * a_scale)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if SCALE_K == 0:
