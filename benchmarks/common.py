@@ -45,13 +45,17 @@ DEFAULT_MAX_MODEL_LEN = 4096  # W1's max_model_len (benchmarks/README.md); W2 an
 
 # ----------------------------------------------------------------------------- kernel microbenchmarks
 
-def kernel_benchmark_args(doc: str, sweep_help: str) -> tuple[argparse.Namespace, float]:
-    """A kernel microbenchmark's start: its command line (--sweep), a GPU check, a fixed
-    seed and the banner line. Returns the arguments and copy_bandwidth()."""
+def kernel_benchmark_args(doc: str, sweep_help: str,
+                          add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
+                          ) -> tuple[argparse.Namespace, float]:
+    """A kernel microbenchmark's start: its command line (--sweep, and what add_arguments adds),
+    a GPU check, a fixed seed and the banner line. Returns the arguments and copy_bandwidth()."""
     import triton
 
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help=sweep_help)
+    if add_arguments is not None:
+        add_arguments(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit(f"{Path(sys.argv[0]).name} needs a CUDA GPU")

@@ -72,6 +72,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
     },
 }
+# Qwen3-30B-A3B-FP8's format: float8 weights with 128x128 block scales (the dense layers' and the
+# experts'), activations quantised per token and 128 columns at run time; dummy weights, scales 1.
+PRESETS["qwen3-30b-a3b-fp8"] = {
+    **PRESETS["qwen3-30b-a3b"],
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                            "weight_block_size": [128, 128]},
+}
 
 
 def write_preset(name: str, save_dir: str, tokenizer_dir: str | None = None) -> str:

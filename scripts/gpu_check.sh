@@ -12,7 +12,11 @@
 #   w1_json W1 with W6's JSON schema on every request (structured_outputs), as w1 (~1 min): beside
 #          w1 in one run (GPU_CHECK=w1,w1_json). Needs xgrammar and apache-tvm-ffi (as w6)
 #   w5     W1's requests on qwen3-30b-a3b (MoE, dummy weights)        (~2-3 min)
-#   moe    fused_moe.py at Qwen3-30B-A3B's expert shapes, with the tile sweep (~1.5 min)
+#   w5_fp8 w5 with FP8 weights, time per kind of step: --quantization fp8 (per-channel scales),
+#          then the qwen3-30b-a3b-fp8 preset (Qwen3-30B-A3B-FP8's 128x128 block scales); the
+#          experts in the fused Triton kernel (~5 min, two engines); not part of "all"
+#   moe    fused_moe.py at Qwen3-30B-A3B's expert shapes, with the tile sweep, and FP8 experts
+#          (128x128 blocks) beside bf16 at the default tiles (~2 min)
 #   fp8    decode attention on W1's batches over an FP8 cache, split and tile sweep (~3 min)
 #   w2     W2 latency, qwen3-0.6b                                      (< 1 min)
 #   w3     W3 shared prefix, caching on and off, qwen3-0.6b, first run by kind of step (~1-2 min, two engines)
@@ -247,8 +251,10 @@ for step in ${GPU_CHECK//,/ }; do
         w6)    ab w6 bash -c 'serve_w6 minivllm python3 -m minivllm serve' ;;
         w4_dp) ab w4_dp bash -c 'serve_w4_dp minivllm python3 -m minivllm serve' ;;
         w5)    bench w5 throughput.py --model qwen3-30b-a3b --step-breakdown ;;
+        w5_fp8) bench w5_fp8 throughput.py --model qwen3-30b-a3b --quantization fp8 --step-breakdown
+                bench w5_fp8_block throughput.py --model qwen3-30b-a3b-fp8 --step-breakdown ;;
         w7)    bench w7 speculative.py --hf-dir /tmp/w7-smollm2 ${W7_GGUF:+--model "$W7_GGUF"} ;;
-        moe)   run_step moe_kernels python3 -m benchmarks.kernels.fused_moe --sweep ;;
+        moe)   run_step moe_kernels python3 -m benchmarks.kernels.fused_moe --sweep --fp8 block ;;
         fp8)   run_step decode_w1_fp8 python3 -m benchmarks.kernels.decode_w1 --every 64 --sweep --kv-cache-dtype fp8 ;;
         hf)    bench hf throughput.py --model qwen3-0.6b --backend hf --num-prompts 128 ;;
         w1_8b) bench w1_8b throughput.py --model qwen3-8b --step-breakdown ;;
@@ -273,7 +279,7 @@ for step in ${GPU_CHECK//,/ }; do
                          --json-out "$RESULTS" ;;
         vllm_w6)     vllm_staged vllm_w6 && run_step vllm_w6 bash -c 'serve_w6 vllm vllm_serve' ;;
         vllm_w4_dp)  vllm_staged vllm_w4_dp && run_step vllm_w4_dp bash -c 'serve_w4_dp vllm vllm_serve' ;;
-        *) echo "unknown step '$step' (steps: $ALL_STEPS w1_json w4 w4_dp w6 w7 tp vllm_w1 vllm_w1_fp8 vllm_w1_triton vllm_w2w3 vllm_w4_dp vllm_w6 vllm_w7)"
+        *) echo "unknown step '$step' (steps: $ALL_STEPS w1_json w5_fp8 w4 w4_dp w6 w7 tp vllm_w1 vllm_w1_fp8 vllm_w1_triton vllm_w2w3 vllm_w4_dp vllm_w6 vllm_w7)"
            failed=1 ;;
     esac
 done

@@ -124,6 +124,7 @@ def engine_calls() -> dict[str, Callable[[], Any]]:
         batch_matmul,
         cascade_attention,
         decode_attention,
+        fp8_matmul,
         fused_moe,
         fused_ops,
         mixed_attention,
@@ -132,6 +133,7 @@ def engine_calls() -> dict[str, Callable[[], Any]]:
         skinny_matmul,
     )
     from minivllm.kernels.split_k import SplitKPartials
+    from minivllm.layers import fp8_linear
 
     pdl.pdl_enabled = lambda device: True  # as on a Hopper GPU
     skinny_matmul.sm_count = lambda device: 132  # an H100/H200's: split-K where the GPU would split
@@ -205,6 +207,23 @@ def engine_calls() -> dict[str, Callable[[], Any]]:
         torch.zeros(4, 2048, dtype=bf16), torch.zeros(experts, 2 * moe_inter, 2048, dtype=bf16),
         torch.zeros(experts, 2048, moe_inter, dtype=bf16), torch.ones(4, top_k),
         torch.zeros(4, top_k, dtype=torch.int32))
+    fp8 = torch.float8_e4m3fn
+    for label, block in (("128x128 blocks", (128, 128)), ("per channel", None)):
+        w13_scale, w2_scale = ((torch.ones(experts, 12, 16), torch.ones(experts, 16, 6)) if block
+                               else (torch.ones(experts, 2 * moe_inter), torch.ones(experts, 2048)))
+        # The scheme's quantised inputs, or weights only; a decode batch's tiles, and a prefill's.
+        for activations, tokens in (("fp8", 4), ("bf16", 4), ("fp8", 8192)):
+            quantize = None if activations == "bf16" else (lambda x, _, block=block: fp8_linear.quantize_activations(
+                x, None if block is None else block[1], None))
+            calls[f"fused_moe FP8 experts, {label}, {activations} activations, {tokens} tokens"] = (
+                lambda quantize=quantize, scales=(w13_scale, w2_scale), block=block, tokens=tokens: fused_moe.fused_moe(
+                    torch.zeros(tokens, 2048, dtype=bf16), torch.zeros(experts, 2 * moe_inter, 2048, dtype=fp8),
+                    torch.zeros(experts, 2048, moe_inter, dtype=fp8), torch.ones(tokens, top_k),
+                    torch.zeros(tokens, top_k, dtype=torch.int32), fp8=fused_moe.Fp8Experts(*scales, block, quantize)))
+    for rows in (4, 64, 512):  # each of fp8_matmul's tiles
+        calls[f"fp8_block_matmul 4096x1024 (qkv), {rows} rows"] = lambda rows=rows: fp8_matmul.fp8_block_matmul(
+            torch.zeros(rows, 1024, dtype=fp8), torch.zeros(4096, 1024, dtype=fp8), torch.ones(32, 8), (128, 128),
+            torch.ones(rows, 8), bf16)
     calls["gumbel_max_sample"] = lambda: sampling.gumbel_max_sample(
         torch.zeros(4, 151936, dtype=bf16), torch.zeros(4, dtype=torch.int64), torch.ones(4))
     return calls

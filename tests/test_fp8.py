@@ -254,8 +254,74 @@ def test_online_fp8_moe_matches_per_channel_quantisation(tiny_model_factory, tmp
     llm = make_llm(packed_dir, quantization="fp8")
     assert llm.llm_engine.model_runner.model.model.layers[0].mlp.experts.w13.dtype == torch.float8_e4m3fn
     assert run(llm, prompts, MAX_TOKENS) == hf_fp8_greedy(oracle_dir, scheme, prompts, MAX_TOKENS)
-    with pytest.raises(ValueError, match="FP8 mixture-of-experts layers run with kernels='torch'"):
-        make_llm(packed_dir, quantization="fp8", kernels="triton")
+
+
+@pytest.mark.slow  # engine steps in Triton's interpreter
+@pytest.mark.parametrize("name", ["moe-fp8-block", "moe-ct-tensor-static", "online"])
+def test_fp8_moe_in_triton_matches_torch(name: str, tiny_model_factory, tmp_path) -> None:
+    """kernels='triton' (on CPU through Triton's interpreter: a short run): the FP8 experts in the
+    fused kernel, block-scaled dense layers in kernels/fp8_matmul.py, generate the torch loop's
+    tokens."""
+    model_dir = tiny_model_factory("Qwen3MoeForCausalLM")
+    if name == "online":
+        fp8_dir, kwargs = model_dir, {"quantization": "fp8"}
+    else:
+        fp8_dir, _ = write_fp8_checkpoint(model_dir, str(tmp_path), CHECKPOINTS[name][1], INPUT_SCALES)
+        kwargs = {}
+    prompts = prompts_for(fp8_dir)[:2]
+    want = run(make_llm(fp8_dir, **kwargs), prompts, 4)
+    assert run(make_llm(fp8_dir, kernels="triton", **kwargs), prompts, 4) == want
+
+
+def block_layers(scheme: Fp8Scheme, rows: int, columns: int, dtype: torch.dtype, device: str
+                 ) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(torch, Triton) ColumnParallelLinear with a bias, loaded with the same block-scaled weights."""
+    from minivllm.layers import fp8_linear
+    from minivllm.layers.custom_op import use_triton_kernels
+    from minivllm.layers.linear import ColumnParallelLinear
+    from minivllm.quantization import Fp8Config
+
+    gen = torch.Generator().manual_seed(0)
+    quantized, scale, _ = quantize_weight(torch.randn(rows, columns, generator=gen) / columns ** 0.5, scheme)
+    bias = torch.randn(rows, generator=gen)
+    config = Fp8Config(scheme.checkpoint_format, scheme.block, scheme.activations)  # type: ignore[arg-type]
+    layers = []
+    for triton in (False, True):
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with use_triton_kernels(triton), fp8_linear.fp8_linear_layers(config):
+                layer = ColumnParallelLinear(columns, [rows], bias=True)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        layer.weight_loader(layer.weight, quantized)
+        layer.weight_loader(getattr(layer, config.weight_scale_name), scale)
+        layer.weight_loader(layer.bias, bias)
+        layers.append(layer.to(device))
+    return layers[0], layers[1]
+
+
+@pytest.mark.parametrize("num_rows", [1, 7, 64, 130])
+@pytest.mark.parametrize("scheme", [Fp8Scheme("fp8", "block", "dynamic", (32, 32)),
+                                    Fp8Scheme("compressed-tensors", "block", "none", (16, 32))])
+def test_triton_block_matmul_computes_the_reference(scheme: Fp8Scheme, num_rows: int) -> None:
+    """Block-scaled dense layers with the Triton kernels (kernels/fp8_matmul.py; on CPU through
+    Triton's interpreter): the reference's function, blocks partial at the end of both dimensions."""
+    from tests.conftest import DEVICE
+
+    reference, triton = block_layers(scheme, 80, 96, torch.float32, DEVICE)
+    x = torch.randn(num_rows, 96, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    torch.testing.assert_close(triton(x), reference(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", [1, 16, 64, 256, 2048])
+def test_triton_block_matmul_in_bfloat16(num_rows: int) -> None:
+    """128x128 blocks at a Qwen3 layer's shape in bfloat16 on the GPU."""
+    reference, triton = block_layers(Fp8Scheme("fp8", "block", "dynamic", (128, 128)), 4096, 2048,
+                                     torch.bfloat16, "cuda")
+    x = torch.randn(num_rows, 2048, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(triton(x).float(), reference(x).float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.slow  # tensor-parallel worker processes
@@ -321,7 +387,7 @@ def test_dummy_weights_in_fp8(tiny_model_factory) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["fp8-block", "ct-channel-dynamic"])
+@pytest.mark.parametrize("name", ["fp8-block", "ct-channel-dynamic", "moe-fp8-block", "moe-ct-tensor-static"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: torch._scaled_mm for per-channel scales
 def test_fp8_checkpoint_on_the_gpu(name: str, dtype: str, tiny_model_factory, tmp_path) -> None:
     """FP8 layers in the GPU engine (Triton kernels, CUDA graphs): the graphs replay what eager steps

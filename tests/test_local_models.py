@@ -185,7 +185,7 @@ def test_presets_write_loadable_configs(name: str, tmp_path: Path) -> None:
     # The architecture is real enough for transformers to build it (on the meta device).
     with torch.device("meta"):
         model = getattr(transformers, preset["architectures"][0])(config)
-    expected = {"qwen3-0.6b": 0.6e9, "qwen3-8b": 8.2e9, "qwen3-30b-a3b": 30.5e9}[name]
+    expected = {"qwen3-0.6b": 0.6e9, "qwen3-8b": 8.2e9, "qwen3-30b-a3b": 30.5e9, "qwen3-30b-a3b-fp8": 30.5e9}[name]
     assert abs(sum(p.numel() for p in model.parameters()) - expected) / expected < 0.05
 
 

@@ -122,9 +122,9 @@ def test_triton_path_matches_hf(tiny_model_factory, monkeypatch: pytest.MonkeyPa
     calls: list[int] = []
     original = kernel.fused_moe
 
-    def spy(*args: torch.Tensor) -> torch.Tensor:
+    def spy(*args: torch.Tensor, **kwargs: object) -> torch.Tensor:
         calls.append(1)
-        return original(*args)
+        return original(*args, **kwargs)
 
     monkeypatch.setattr(kernel, "fused_moe", spy)
     model_dir = tiny_model_factory("Qwen3MoeForCausalLM")

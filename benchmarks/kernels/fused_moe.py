@@ -2,6 +2,7 @@
 
     python -m benchmarks.kernels.fused_moe           # the configured tiles (CONFIGS)
     python -m benchmarks.kernels.fused_moe --sweep   # also candidate tiles per batch size
+    python -m benchmarks.kernels.fused_moe --fp8 block   # also FP8 experts (or --fp8 channel)
 
 Qwen3-30B-A3B's MoE layer on one GPU: E=128 experts, H=2048, I=768, top-8, bf16, routing
 uniform at random (top-8 of random logits), T from 1 to 8192 tokens. Each fused_moe call
@@ -12,8 +13,16 @@ L2 from the replay before). Reported per T: time, the alignment kernel's time al
 floor (bytes that must move: the weights of every expert hit, plus the activations in and
 out, over the device copy bandwidth), achieved TB/s and TFLOP/s (6 * H * I per (token,
 slot)). --sweep times candidate tiles at every T and prints the best as a CONFIGS table.
+
+--fp8 block (Qwen3-30B-A3B-FP8's format: 128x128 weight blocks, activations quantised per
+token and 128 columns) or --fp8 channel (quantization="fp8": per-channel weights, per-token
+activations) also times the same layer with float8 experts, at the default tiles, beside each
+T's bf16 line: the call as FusedMoE makes it (`fp8`: each projection's input quantised by
+layers/fp8_linear.py first), and with the weights alone in FP8 (`fp8 w-only`: no
+activation quantisation). Their floor counts one byte a weight.
 """
 
+import argparse
 import statistics
 from collections.abc import Callable
 
@@ -21,7 +30,8 @@ import torch
 import triton
 
 from benchmarks.common import kernel_benchmark_args
-from minivllm.kernels.fused_moe import fused_moe, fused_moe_config, moe_align
+from minivllm.kernels.fused_moe import Fp8Experts, fused_moe, fused_moe_config, moe_align
+from minivllm.layers.fp8_linear import FP8, quantize_activations
 
 E, H, I, TOP_K = 128, 2048, 768, 8  # noqa: E741 (I: the intermediate size, in the docstring's notation)
 DTYPE = torch.bfloat16
@@ -74,12 +84,38 @@ def floor_bytes(choices: list[torch.Tensor], w13: torch.Tensor, w2: torch.Tensor
     """Mean over the routings of the bytes a call must move: hit experts' weights, x and out."""
     per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()
     hit = statistics.mean(c.unique().numel() for c in choices)
-    return hit * per_expert + 2 * choices[0].shape[0] * H * w13.element_size()
+    return hit * per_expert + 2 * choices[0].shape[0] * H * DTYPE.itemsize
 
 
-def bench_batch(num_tokens: int, w13: torch.Tensor, w2: torch.Tensor, sweep: bool,
-                peak: float) -> tuple[float, dict[str, int]]:
-    """Print one line per config timed at this batch size; return the fastest (µs, config)."""
+def fp8_experts(w13: torch.Tensor, w2: torch.Tensor, scheme: str
+                ) -> tuple[torch.Tensor, torch.Tensor, Fp8Experts, Fp8Experts]:
+    """w13 and w2 in float8 as scheme ("block": 128x128 blocks, "channel") has them, and their
+    Fp8Experts: with the scheme's activation quantisation, and weights only."""
+    block = (128, 128) if scheme == "block" else None
+
+    def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if block is None:
+            scale = w.float().abs().amax(dim=2) / torch.finfo(FP8).max
+            return (w.float() / scale[..., None]).to(FP8), scale
+        e, n, k = w.shape
+        blocks = w.float().view(e, n // block[0], block[0], k // block[1], block[1])
+        scale = blocks.abs().amax(dim=(2, 4)) / torch.finfo(FP8).max
+        return (blocks / scale[:, :, None, :, None]).to(FP8).view(e, n, k), scale
+
+    (w13_q, w13_scale), (w2_q, w2_scale) = quantize(w13), quantize(w2)
+
+    def quantize_input(x: torch.Tensor, projection: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_activations(x, None if block is None else block[1], None)
+
+    return (w13_q, w2_q, Fp8Experts(w13_scale, w2_scale, block, quantize_input),
+            Fp8Experts(w13_scale, w2_scale, block, None))
+
+
+def bench_batch(num_tokens: int, w13: torch.Tensor, w2: torch.Tensor, sweep: bool, peak: float,
+                fp8: tuple[torch.Tensor, torch.Tensor, Fp8Experts, Fp8Experts] | None
+                ) -> tuple[float, dict[str, int]]:
+    """Print one line per config timed at this batch size (and, with fp8, one per FP8 variant at
+    the default config); return the fastest bf16 (µs, config)."""
     x = torch.randn(num_tokens, H, device="cuda", dtype=DTYPE)
     choices = routings(num_tokens)
     ids = choices[0].clone()
@@ -111,16 +147,33 @@ def bench_batch(num_tokens: int, w13: torch.Tensor, w2: torch.Tensor, sweep: boo
         print(f"{num_tokens:>6}{t:>10.1f}{t_align:>10.1f}{nbytes / peak * 1e6:>10.1f}"
               f"{nbytes / t / 1e6:>7.2f}{flops / t / 1e6:>9.1f}  {cfg}{' (default)' if cfg is default else ''}",
               flush=True)
+    if fp8 is not None:
+        w13_q, w2_q = fp8[:2]
+        fp8_bytes = floor_bytes(choices, w13_q, w2_q)
+        for label, experts in (("fp8", fp8[2]), ("fp8 w-only", fp8[3])):
+            ids.copy_(checked_ids)
+            got = fused_moe(x, w13_q, w2_q, weights, ids, fp8=experts)
+            error = (got.float() - want.float()).abs().max().item()
+            t = time_graph_us(lambda experts=experts: fused_moe(x, w13_q, w2_q, weights, ids, fp8=experts),
+                              ids, choices)
+            print(f"{num_tokens:>6}{t:>10.1f}{'':>10}{fp8_bytes / peak * 1e6:>10.1f}{fp8_bytes / t / 1e6:>7.2f}"
+                  f"{flops / t / 1e6:>9.1f}  {label} (max |diff| from bf16 {error:.3g})", flush=True)
     return best
 
 
 def main() -> None:
-    args, peak = kernel_benchmark_args(__doc__, "also time candidate tiles at every batch size")
+    def add_fp8(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--fp8", choices=["block", "channel"], default=None,
+                            help="also time FP8 experts: 128x128 blocks or per-channel scales")
+
+    args, peak = kernel_benchmark_args(__doc__, "also time candidate tiles at every batch size", add_fp8)
     w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=DTYPE) / H ** 0.5
     w2 = torch.randn(E, H, I, device="cuda", dtype=DTYPE) / I ** 0.5
-    print(f"E={E} H={H} I={I} top-{TOP_K} {DTYPE}; weights {(w13.nbytes + w2.nbytes) / 1e9:.2f} GB")
+    fp8 = None if args.fp8 is None else fp8_experts(w13, w2, args.fp8)
+    print(f"E={E} H={H} I={I} top-{TOP_K} {DTYPE}; weights {(w13.nbytes + w2.nbytes) / 1e9:.2f} GB"
+          f"{'' if fp8 is None else f'; FP8 ({args.fp8} scales) beside'}")
     print(f"{'T':>6}{'us':>10}{'align us':>10}{'floor us':>10}{'TB/s':>7}{'TFLOP/s':>9}  config")
-    best = {num_tokens: bench_batch(num_tokens, w13, w2, args.sweep, peak) for num_tokens in BATCHES}
+    best = {num_tokens: bench_batch(num_tokens, w13, w2, args.sweep, peak, fp8) for num_tokens in BATCHES}
     if args.sweep:
         print("best per T:")
         for num_tokens, (t, cfg) in best.items():

@@ -9,10 +9,11 @@ this rank's slice of them and computes the layer's matmul:
 - weight scales per output channel (a per-tensor scale is spread over its channels), on
   CUDA in bfloat16: torch._scaled_mm, FP8 tensor cores with per-token (or static) activation
   scales;
-- 128x128 block scales, weight-only schemes, and everything else: the reference below, which
-  quantises the activations exactly as the GPU path does, dequantises the weight whole and
-  multiplies in the activation dtype (the same function; CI tests it on CPU). A block-scaled
-  Triton GEMM takes block weights' place on GPUs later.
+- 128x128 block scales with the Triton kernels: kernels/fp8_matmul.py, the weight read as float8
+  and dequantised tile by tile in the kernel;
+- weight-only schemes, and everything else: the reference below, which quantises the
+  activations exactly as the GPU paths do, dequantises the weight whole and multiplies in the
+  activation dtype (the same function; CI tests it on CPU).
 """
 
 from collections.abc import Iterator, Sequence
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.distributed import tp_rank, tp_size
+from minivllm.layers.custom_op import triton_kernels_enabled
 from minivllm.quantization import Fp8Config
 
 FP8 = torch.float8_e4m3fn
@@ -127,6 +129,9 @@ class Fp8LinearMethod:
             name if prefix is None else f"{prefix}_{name}"
             for name in (config.weight_scale_name, "input_scale", "row_blocks", "col_blocks"))
         block = config.weight_block
+        # Block weights multiply in Triton (kernels/fp8_matmul.py) where the kernels are Triton's and
+        # the blocks a multiple of 16 columns wide (tl.dot's least K), as real checkpoints' 128 are.
+        self.triton_blocks = triton_kernels_enabled() and block is not None and block[1] % 16 == 0
         if block is not None and tp_size() > 1:
             sizes, block_size, what = ((output_sizes, block[0], "output rows") if shard_dim == 0
                                        else ([input_size], block[1], "input columns"))
@@ -226,18 +231,29 @@ class Fp8LinearMethod:
 
     # --- the matmul -----------------------------------------------------------------------
 
-    def _weights(self, layer: nn.Module, expert: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The float8 weight and its scales (expert `expert`'s, where there are experts)."""
+    def weight_and_scale(self, layer: nn.Module, expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float8 weight and its float32 scales (expert `expert`'s, where there are experts):
+        [rows] per output channel, or [row blocks, column blocks] (with experts, a leading
+        expert dimension when expert is None)."""
         weight, scale = _tensor(layer, self.weight_name), _tensor(layer, self.scale_name)
         return (weight, scale) if expert is None else (weight[expert], scale[expert])
 
     def dequantized_weight(self, layer: nn.Module, dtype: torch.dtype, expert: int | None = None) -> torch.Tensor:
         """The weight as the matmul sees it, [rows, input_size] in dtype."""
-        weight, scale = self._weights(layer, expert)
+        weight, scale = self.weight_and_scale(layer, expert)
         if self.config.weight_block is None:
             return (weight.float() * scale[:, None]).to(dtype)
         row_blocks, col_blocks = _tensor(layer, self.row_blocks_name), _tensor(layer, self.col_blocks_name)
         return (weight.float() * scale[row_blocks[:, None], col_blocks[None, :]]).to(dtype)
+
+    def quantize_input(self, layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """x [M, input_size] quantised as the scheme says: (float8 x, float32 scales [M, 1], or
+        [M, column blocks] with block weights); None for weight-only schemes (x stays as it is)."""
+        config = self.config
+        if config.activation_scheme == "none":
+            return None
+        static_scale = _tensor(layer, self.input_scale_name) if config.activation_scheme == "static" else None
+        return quantize_activations(x, None if config.weight_block is None else config.weight_block[1], static_scale)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, expert: int | None = None
               ) -> torch.Tensor:
@@ -245,19 +261,25 @@ class Fp8LinearMethod:
         there are experts)."""
         config = self.config
         x2d = x.reshape(-1, x.shape[-1])
-        if config.activation_scheme == "none":
+        quantized = self.quantize_input(layer, x2d)
+        weight, weight_scale = self.weight_and_scale(layer, expert)
+        if self.triton_blocks:
+            from minivllm.kernels.fp8_matmul import fp8_block_matmul  # imported only where Triton is used
+            x_in, x_scale = (x2d, None) if quantized is None else quantized
+            assert config.weight_block is not None
+            y = fp8_block_matmul(x_in, weight, weight_scale, config.weight_block, x_scale, x.dtype)
+            if bias is not None:
+                y += bias
+        elif quantized is None:
             y = F.linear(x2d, self.dequantized_weight(layer, x.dtype, expert), bias)
-            return y.view(*x.shape[:-1], -1)
-        static_scale = _tensor(layer, self.input_scale_name) if config.activation_scheme == "static" else None
-        group = config.weight_block[1] if config.weight_block is not None else None
-        x_fp8, x_scale = quantize_activations(x2d, group, static_scale)
-        weight, weight_scale = self._weights(layer, expert)
-        if config.weight_block is None and _scaled_mm_takes(x, weight):
+        elif config.weight_block is None and _scaled_mm_takes(x, weight):
             # FP8 tensor cores: row-wise scales, the activations' [M, 1] and the weight's [1, N].
+            x_fp8, x_scale = quantized
             y = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale.contiguous(), scale_b=weight_scale[None, :],
                                  bias=bias, out_dtype=x.dtype)
         else:
-            if group is None:
+            x_fp8, x_scale = quantized
+            if config.weight_block is None:
                 x_dequantized = x_fp8.float() * x_scale
             else:
                 x_dequantized = x_fp8.float() * x_scale[:, _tensor(layer, self.col_blocks_name)]

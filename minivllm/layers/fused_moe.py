@@ -6,9 +6,12 @@ MLP's column/row-parallel pair does), so every rank holds a slice of every exper
 output is all-reduced.
 
 Built under fp8_linear_layers, the experts' weights are float8 with scales (layers/fp8_linear.py:
-one Fp8LinearMethod per projection) and run the torch loop, on every device (a fused FP8 kernel is
-to come).
+one Fp8LinearMethod per projection, which loads them and quantises each projection's input as the
+scheme says): the Triton kernel reads them as float8 and applies the scales in the kernel; the
+torch loop multiplies by each expert's dequantised weights.
 """
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +20,9 @@ from torch import nn
 from minivllm.distributed import all_reduce, tp_rank, tp_size
 from minivllm.layers.custom_op import CustomOp
 from minivllm.layers.fp8_linear import Fp8LinearMethod, building_fp8
+
+if TYPE_CHECKING:  # a type only: the torch path imports nothing from kernels/
+    from minivllm.kernels.fused_moe import Fp8Experts
 
 # Where a checkpoint tensor goes in the packed weights: (expert, shard). expert is None
 # when the tensor holds every expert (a leading expert dimension, as transformers' packed
@@ -48,15 +54,18 @@ class FusedMoE(CustomOp):
             self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_intermediate),
                                    requires_grad=False)
         else:
-            if self.uses_triton:
-                raise ValueError("FP8 mixture-of-experts layers run with kernels='torch' for now (no CUDA graphs; "
-                                 "their Triton kernel is to come): pass kernels='torch'.")
+            block = fp8_config.weight_block
+            if self.uses_triton and block is not None and block[1] % 16:
+                raise ValueError(f"The checkpoint's {block[0]}x{block[1]} weight blocks are not a multiple of 16 "
+                                 "columns wide, which the Triton mixture-of-experts kernel needs: pass "
+                                 "kernels='torch'.")
             size = self.local_intermediate
             self.fp8 = (Fp8LinearMethod(fp8_config, [size, size], hidden_size, 0, num_experts, "w13"),
                         Fp8LinearMethod(fp8_config, [hidden_size], size, 1, num_experts, "w2"))
             for method in self.fp8:
                 method.create_weights(self)
-            self._forward_method = type(self).forward_fp8  # instead of forward_native (torch, as checked above)
+            if not self.uses_triton:
+                self._forward_method = type(self).forward_fp8
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: ExpertPart) -> None:
         """Copy this rank's slice of a checkpoint tensor into param (w13 or w2, or an FP8 scale),
@@ -110,7 +119,24 @@ class FusedMoE(CustomOp):
     def forward_triton(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
                        ) -> torch.Tensor:
         from minivllm.kernels.fused_moe import fused_moe  # imported only where Triton is used
-        return all_reduce(fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids))
+        return all_reduce(fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids, fp8=self.fp8_experts()))
+
+    def fp8_experts(self) -> "Fp8Experts | None":
+        """The kernel's view of the FP8 experts' scales and input quantisation (None: not FP8)."""
+        from minivllm.kernels.fused_moe import Fp8Experts  # imported only where Triton is used
+        if self.fp8 is None:
+            return None
+        w13, w2 = self.fp8
+        quantize = None if w13.config.activation_scheme == "none" else self._quantize_input
+        return Fp8Experts(w13.weight_and_scale(self)[1], w2.weight_and_scale(self)[1], w13.config.weight_block,
+                          quantize)
+
+    def _quantize_input(self, x: torch.Tensor, projection: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input of projection 0 (w13) or 1 (w2), quantised as its FP8 scheme says."""
+        assert self.fp8 is not None
+        quantized = self.fp8[projection].quantize_input(self, x)
+        assert quantized is not None
+        return quantized
 
     def forward_native(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
                        ) -> torch.Tensor:
