@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
 
 from minivllm import SamplingParams
@@ -26,6 +27,7 @@ from minivllm.engine.data_parallel import DataParallelAsyncLLM
 from minivllm.entrypoints.cli import main
 from minivllm.entrypoints.openai.api_server import build_app
 from minivllm.entrypoints.openai.serving import OpenAIServing
+from tests.server_utils import serving
 from tests.test_generate_hf import BLOCK_SIZE, expected, make_llm, mixed_prompts, run, vocab
 
 ray = pytest.importorskip("ray")
@@ -120,6 +122,31 @@ def test_offline_llm_ranks_and_replicas_are_actors(cluster: Cluster, model_dir: 
     while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ray.available_resources().get("CPU", 0) == 2  # every bundle given back
+
+
+def test_served_from_the_command_line_joins_the_cluster(cluster: Cluster, model_dir: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`minivllm serve -dp 2 --distributed-executor-backend ray`, a process of its own, joins the
+    cluster that $RAY_ADDRESS names (as on a head node after `ray start --head`), a replica a
+    node, and answers the OpenAI client; its replicas' bundles go back when it exits."""
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    prompt = mixed_prompts(vocab(model_dir), seed=4)[6]
+    local = make_llm(model_dir)
+    want = local.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8),
+                          use_tqdm=False)[0].outputs[0].text
+    local.shutdown()
+    with serving(model_dir, "-dp", "2", "--distributed-executor-backend", "ray", "--max-model-len",
+                 str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE), startup_timeout_s=180) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        for _ in range(4):  # over both replicas
+            completion = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+            assert completion.choices[0].text == want
+        assert ray.available_resources().get("CPU", 0) == 0
+        assert httpx.get(f"{server.url}/health").json() == {"data_parallel_size": 2, "engines_down": []}
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU", 0) == 2
 
 
 @pytest.fixture(scope="module")
