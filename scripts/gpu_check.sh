@@ -14,7 +14,8 @@
 #   w5     W1's requests on qwen3-30b-a3b (MoE, dummy weights)        (~2-3 min)
 #   w5_fp8 w5 with FP8 weights, time per kind of step: --quantization fp8 (per-channel scales),
 #          then the qwen3-30b-a3b-fp8 preset (Qwen3-30B-A3B-FP8's 128x128 block scales); the
-#          experts in the fused Triton kernel (~5 min, two engines); not part of "all"
+#          experts in the fused Triton kernel (~5 min, two engines); not part of "all". Its pair:
+#          GPU_CHECK=w5_fp8,vllm_w5_fp8 (vLLM staged as vllm_w1; vllm_w5 is W5's bf16 peer)
 #   moe    fused_moe.py at Qwen3-30B-A3B's expert shapes, with the tile sweep, and FP8 experts
 #          (128x128 blocks) beside bf16 at the default tiles (~2 min)
 #   fp8    decode attention on W1's batches over an FP8 cache, split and tile sweep (~3 min)
@@ -275,11 +276,15 @@ for step in ${GPU_CHECK//,/ }; do
         vllm_w1_fp8) peer vllm_w1_fp8 python3 .vl/tools/vllm_w1.py --kv-cache-dtype fp8 ;;
         vllm_w1_triton) peer vllm_w1_triton python3 scripts/vllm_backend.py TRITON_ATTN .vl/tools/vllm_w1.py ;;
         vllm_w2w3)   peer vllm_w2w3 python3 .vl/tools/vllm_w2w3.py ;;
+        vllm_w5)     peer vllm_w5 env PYTHONPATH=/tmp/vlsite:. python3 scripts/vllm_w5.py ;;
+        vllm_w5_fp8) peer vllm_w5_fp8 env PYTHONPATH=/tmp/vlsite:. python3 scripts/vllm_w5.py --quantization fp8
+                     peer vllm_w5_fp8_block env PYTHONPATH=/tmp/vlsite:. python3 scripts/vllm_w5.py \
+                         --preset qwen3-30b-a3b-fp8 ;;
         vllm_w7)     peer vllm_w7 python3 -m benchmarks.speculative --backend vllm --model /tmp/w7-smollm2 \
                          --json-out "$RESULTS" ;;
         vllm_w6)     vllm_staged vllm_w6 && run_step vllm_w6 bash -c 'serve_w6 vllm vllm_serve' ;;
         vllm_w4_dp)  vllm_staged vllm_w4_dp && run_step vllm_w4_dp bash -c 'serve_w4_dp vllm vllm_serve' ;;
-        *) echo "unknown step '$step' (steps: $ALL_STEPS w1_json w5_fp8 w4 w4_dp w6 w7 tp vllm_w1 vllm_w1_fp8 vllm_w1_triton vllm_w2w3 vllm_w4_dp vllm_w6 vllm_w7)"
+        *) echo "unknown step '$step' (steps: $ALL_STEPS w1_json w5_fp8 w4 w4_dp w6 w7 tp vllm_w1 vllm_w1_fp8 vllm_w1_triton vllm_w2w3 vllm_w4_dp vllm_w5 vllm_w5_fp8 vllm_w6 vllm_w7)"
            failed=1 ;;
     esac
 done

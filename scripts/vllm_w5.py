@@ -2,9 +2,10 @@
 bf16, timed as the staged .vl/tools/vllm_w1.py times W1. Run on the accelerator once vLLM is
 staged and installed there (benchmarks/README.md):
 
-    PYTHONPATH=/tmp/vlsite:. python3 scripts/vllm_w5.py [--n 256]
+    PYTHONPATH=/tmp/vlsite:. python3 scripts/vllm_w5.py [--n 256] [--quantization fp8] [--preset qwen3-30b-a3b-fp8]
 
-Our side of the same workload: `python3 -m benchmarks.throughput --model qwen3-30b-a3b`.
+Our side of the same workload: `python3 -m benchmarks.throughput --model qwen3-30b-a3b` (with the
+same --quantization, or --model qwen3-30b-a3b-fp8 for the block-scaled FP8 checkpoint's config).
 """
 
 import argparse
@@ -26,14 +27,16 @@ from benchmarks.presets import write_preset  # noqa: E402 (after the environment
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=256, help="number of W1 requests")
-    parser.add_argument("--model-dir", default="/tmp/qwen3-30b-a3b-config")
+    parser.add_argument("--preset", default="qwen3-30b-a3b", help="benchmarks/presets.py's config")
+    parser.add_argument("--quantization", default=None, choices=["fp8"], help="'fp8': quantised at load")
+    parser.add_argument("--model-dir", default=None, help="default /tmp/<preset>-config")
     args = parser.parse_args()
-    model_dir = write_preset("qwen3-30b-a3b", args.model_dir)
+    model_dir = write_preset(args.preset, args.model_dir or f"/tmp/{args.preset}-config")
     prompts, max_tokens = w1(args.n)
     start = time.perf_counter()
     from vllm import LLM, SamplingParams
     llm = LLM(model=model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096,
-              skip_tokenizer_init=True, seed=0)
+              skip_tokenizer_init=True, seed=0, quantization=args.quantization)
     print(f"vllm W5 startup {time.perf_counter() - start:.1f}s", flush=True)
     warm = [{"prompt_token_ids": p[:64]} for p in prompts[:8]]
     llm.generate(warm, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=16), use_tqdm=False)
@@ -43,8 +46,8 @@ def main() -> None:
     outputs = llm.generate(inputs, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print(f"vllm W5: output tokens {tokens}, time {elapsed:.2f} s, throughput {tokens / elapsed:.0f} tok/s",
-          flush=True)
+    print(f"vllm W5 ({args.preset}, quantization {args.quantization}): output tokens {tokens}, "
+          f"time {elapsed:.2f} s, throughput {tokens / elapsed:.0f} tok/s", flush=True)
 
 
 if __name__ == "__main__":
