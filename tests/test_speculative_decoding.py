@@ -164,24 +164,28 @@ def test_abort_beside_rows_with_drafts_frees_every_block(spec_llm: LLM, model_di
 
 
 def test_verified_tokens_keep_the_target_distribution(spec_llm: LLM, model_dir: str) -> None:
-    """Temperature 1: the second output token is verified against a draft in every sample;
-    its frequencies must be the model's (chi-square). Accepting drafts more (or less) often
-    than p(draft) would skew them toward (or away from) the drafts."""
-    # Every token occurs in the prompt, so whatever the first output token, a draft follows it.
+    """Temperature 1: the third output token is sampled at a position that verifies a draft in
+    every sample (the second may be decoded while the first is read back; then drafts are
+    proposed, and max_tokens leaves room for one at the third); its frequencies must be the
+    model's (chi-square). Accepting drafts more (or less) often than p(draft) would skew them
+    toward (or away from) the drafts."""
+    # Every token occurs in the prompt, so whatever the output tokens, a draft follows them.
     prompt = list(np.random.default_rng(1).permutation(VOCAB_SIZE))
     prompt = [int(token) for token in prompt + prompt[:5]]
     num_samples = 1200
     drafts_before = spec_llm.llm_engine.stats()["spec_decode_num_drafts"]
     outputs = spec_llm.generate([{"prompt_token_ids": prompt}] * num_samples,
-                                SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
-    assert spec_llm.llm_engine.stats()["spec_decode_num_drafts"] - drafts_before == num_samples
-    counts = np.bincount([output.outputs[0].token_ids[1] for output in outputs], minlength=VOCAB_SIZE)
+                                SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert spec_llm.llm_engine.stats()["spec_decode_num_drafts"] - drafts_before >= num_samples
+    counts = np.bincount([output.outputs[0].token_ids[2] for output in outputs], minlength=VOCAB_SIZE)
     model = load_hf_model(model_dir)
+    pairs = [[first, second] for first in range(VOCAB_SIZE) for second in range(VOCAB_SIZE)]
     with torch.no_grad():
         first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], dim=-1)
-        second = torch.stack([torch.softmax(model(torch.tensor([prompt + [t]])).logits[0, -1], dim=-1)
-                              for t in range(VOCAB_SIZE)])
-    expected = (first @ second).numpy() * num_samples
+        second = torch.softmax(model(torch.tensor([prompt + [t] for t in range(VOCAB_SIZE)])).logits[:, -1], dim=-1)
+        third = torch.softmax(model(torch.tensor([prompt + pair for pair in pairs])).logits[:, -1], dim=-1)
+    # P(third) = sum over the first two tokens of P(first) P(second | first) P(third | both).
+    expected = ((first[:, None] * second).reshape(-1) @ third).numpy() * num_samples
     # Cells expected under 5 times pooled into one, as the test asks.
     small = expected < 5
     observed = np.append(counts[~small], counts[small].sum())
