@@ -264,12 +264,14 @@ def test_steps_overlap_where_nothing_matches(tiny_model_factory, monkeypatch: py
     assert in_flight[:-1] == [2] * (len(in_flight) - 1) and len(in_flight) > 30, in_flight
 
 
-def test_drafts_come_and_go(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("tight", [False, True])
+def test_drafts_come_and_go(model_dir: str, monkeypatch: pytest.MonkeyPatch, tight: bool) -> None:
     """Trigram lookup over outputs that fall into loops and out of them: steps overlap until a
     proposal finds drafts, run one at a time while drafts are found, and overlap again once none
-    are; greedy output stays the model's."""
-    llm = LLM(model_dir, dtype="float32", max_model_len=128, block_size=8,
-              speculative_config={**SPEC, "prompt_lookup_min": 3, "prompt_lookup_max": 4})
+    are; greedy output stays the model's. Tight: with chunked prompts and preemptions too."""
+    limits = dict(max_num_batched_tokens=16, num_gpu_blocks_override=40, max_num_seqs=6) if tight else {}
+    llm = LLM(model_dir, dtype="float32", max_model_len=128, block_size=4 if tight else 8,
+              speculative_config={**SPEC, "prompt_lookup_min": 3, "prompt_lookup_max": 4}, **limits)
     calls = RunnerCalls(llm, monkeypatch)
     prompts = [random_prompt(12, seed=s) for s in range(6)]
     for prompt in prompts[:2]:  # alone, then together with others at other points of their outputs
@@ -281,7 +283,9 @@ def test_drafts_come_and_go(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> 
                            use_tqdm=False)
     for i, (prompt, output) in enumerate(zip(prompts, outputs)):
         assert list(output.outputs[0].token_ids) == hf_greedy(model_dir, prompt, 40 + 3 * i)[0]
-    assert accepted_tokens(llm) > 0
+    stats = llm.llm_engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0 and stats["num_free_blocks"] == stats["num_blocks"]
+    assert (stats["num_preemptions"] > 0) == tight
     in_flight = calls.in_flight_at_collect
     switches = sum(a != b for a, b in itertools.pairwise(in_flight))
     assert in_flight.count(2) > 10 and in_flight.count(1) > 10 and switches > 6, in_flight
@@ -350,3 +354,36 @@ def test_metrics_and_stats_line(caplog: pytest.LogCaptureFixture) -> None:
                  f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} 9.0",
                  f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="1"}} 3.0'):
         assert line in text.splitlines(), line
+
+
+def gpu_llm(model_dir: str, **kwargs: Any) -> LLM:
+    return LLM(model_dir, dtype="float32", max_model_len=128, block_size=8, gpu_memory_utilization=0.3,
+               max_num_seqs=16, **kwargs)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_samples_are_the_ones_without_speculation(model_dir: str, tiny_model_factory,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton kernels and CUDA graphs: greedy and seeded outputs with speculation are those
+    without (verify steps run the mixed attention kernel where decodes replay graphs: float32
+    rounds alike enough); and on random text in a 768-token vocabulary, steps overlap."""
+    spec, plain = gpu_llm(model_dir, speculative_config=SPEC), gpu_llm(model_dir)
+    prompts = [{"prompt_token_ids": random_prompt(6, seed=s) * 3} for s in range(4)]
+    prompts += [{"prompt_token_ids": random_prompt(12, seed=s)} for s in range(4, 8)]
+    params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=48, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=4, max_tokens=48, ignore_eos=True)]
+    for sampling in params:
+        got = spec.generate(prompts, sampling, use_tqdm=False)
+        want = plain.generate(prompts, sampling, use_tqdm=False)
+        for got_output, want_output in zip(got, want):
+            assert [c.token_ids for c in got_output.outputs] == [c.token_ids for c in want_output.outputs]
+    assert accepted_tokens(spec) > 0
+    spec.shutdown()
+    plain.shutdown()
+    no_match = gpu_llm(tiny_model_factory("Qwen3ForCausalLM"), speculative_config={**SPEC, "prompt_lookup_min": 2})
+    calls = RunnerCalls(no_match, monkeypatch)
+    no_match.generate([{"prompt_token_ids": random_prompt(12, seed=s, vocab_size=768)} for s in range(3)],
+                      SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    assert no_match.llm_engine.stats()["spec_decode_num_drafts"] == 0
+    assert calls.in_flight_at_collect[:-1] == [2] * (len(calls.in_flight_at_collect) - 1)
