@@ -5,8 +5,8 @@ reads it, and neither side reaches into the other. The runner keeps what it need
 sequence between steps (executor/persistent_batch.py: token ids, block table, sampling
 parameters, seed) and appends the tokens it samples itself, so a step carries only
 what changed: sequences the runner has not seen yet, block-table entries it lacks, and
-sequences it may forget. A preempted sequence keeps its state in the runner (its tokens
-among it): admitted again, it comes back as a block update from entry 0.
+sequences it may forget. A preempted sequence keeps its state in the runner (its tokens):
+admitted again, it comes back as a block update from entry 0.
 """
 
 from dataclasses import dataclass, field
