@@ -25,17 +25,19 @@ INF = float("inf")
 
 def make_rows(params: list[SamplingParams], prompts: list[list[int]] | None = None,
               outputs: list[list[int]] | None = None,
-              generators: list[torch.Generator | None] | None = None) -> list[SamplingRow]:
+              seeds: list[int | None] | None = None) -> list[SamplingRow]:
     n = len(params)
     prompts = prompts or [[1, 2, 3]] * n
     outputs = outputs or [[]] * n
-    generators = generators or [None] * n
-    return [SamplingRow(p, list(pr), list(out), g)
-            for p, pr, out, g in zip(params, prompts, outputs, generators)]
+    seeds = seeds or [None] * n
+    return [SamplingRow(p, list(pr), list(out), seed)
+            for p, pr, out, seed in zip(params, prompts, outputs, seeds)]
 
 
-def build(rows: list[SamplingRow], vocab: int = V) -> SamplingMetadata:
-    return SamplingMetadata.build(rows, vocab, CPU)
+def build(rows: list[SamplingRow], vocab: int = V, output_position: int = 0) -> SamplingMetadata:
+    """The rows' metadata, each row sampling this output position (what seeded rows' draws depend on)."""
+    meta = SamplingMetadata.build(rows, vocab, CPU)
+    return meta.at_output_positions(np.full(len(rows), output_position, dtype=np.int64))
 
 
 def random_logits(rows: int, vocab: int = V, seed: int = 0) -> torch.Tensor:
@@ -418,17 +420,16 @@ def step_logits(step: int) -> torch.Tensor:
 
 def run_seeded(sampler: Sampler, position: int, others: list[SamplingParams], steps: int,
                seed: int, params: SamplingParams) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
     noise = torch.Generator().manual_seed(1000 + position)  # different neighbours each run
     tokens = []
     for step in range(steps):
         batch_params = list(others)
         batch_params.insert(position, params)
-        gens: list[torch.Generator | None] = [None] * len(batch_params)
-        gens[position] = generator
+        seeds: list[int | None] = [None] * len(batch_params)
+        seeds[position] = seed
         logits = torch.randn(len(batch_params), V, generator=noise) * 2
         logits[position] = step_logits(step)
-        meta = build(make_rows(batch_params, generators=gens))
+        meta = build(make_rows(batch_params, seeds=seeds), output_position=step)
         tokens.append(sampler(logits, meta).sampled_token_ids[position].item())
     return tokens
 
@@ -453,14 +454,27 @@ def test_seeded_rows_reproducible_and_batch_independent(sampler: Sampler, top_k:
     assert run_seeded(sampler, 0, [], steps, 43, params) != reference
 
 
+def test_a_seeded_draw_depends_on_the_seed_and_output_position_only(sampler: Sampler) -> None:
+    """The same (seed, position) draws the same token in any row of any step, beside rows of
+    other seeds and positions (a verify step samples several positions of one sequence);
+    another position draws anew."""
+    row = torch.zeros(V)  # uniform: the token is the noise's argmax
+    params = SamplingParams(temperature=1.0, seed=7)
+    alone = [sampler(row[None], build(make_rows([params], seeds=[7]), output_position=p)).sampled_token_ids.item()
+             for p in range(6)]
+    assert len(set(alone)) > 2
+    meta = SamplingMetadata.build(make_rows([params] * 4, seeds=[7, 8, 7, 7]), V, CPU)
+    sampled = sampler(row.expand(4, V), meta.at_output_positions(np.array([3, 3, 4, 5]))).sampled_token_ids
+    assert [sampled[0].item(), *sampled[2:].tolist()] == alone[3:]
+
+
 def test_two_rows_same_seed_same_tokens(sampler: Sampler) -> None:
     row = random_logits(1, seed=8)[0]
     logits = torch.stack([row, random_logits(1, seed=9)[0], row])
-    gens = [torch.Generator().manual_seed(7), None, torch.Generator().manual_seed(7)]
     params = [SamplingParams(temperature=1.0, seed=7)] * 3
     tokens = []
-    for _ in range(20 if not sampler.gumbel_max_sample.uses_triton else 4):
-        sampled = sampler(logits, build(make_rows(params, generators=gens))).sampled_token_ids
+    for step in range(20 if not sampler.gumbel_max_sample.uses_triton else 4):
+        sampled = sampler(logits, build(make_rows(params, seeds=[7, None, 7]), output_position=step)).sampled_token_ids
         assert sampled[0] == sampled[2]
         tokens.append(sampled[0].item())
     assert len(set(tokens)) > 1
@@ -471,20 +485,14 @@ def test_unseeded_rows_differ_and_seeded_batches_leave_the_default_rng(sampler: 
     params = [SamplingParams()] * 4
     sampled = sampler(logits, build(make_rows(params))).sampled_token_ids
     assert len(set(sampled.tolist())) > 1
-    gens = [torch.Generator().manual_seed(i) for i in range(4)]
     state = torch.get_rng_state()
-    sampler(logits, build(make_rows([SamplingParams(seed=1)] * 4, generators=gens)))
+    sampler(logits, build(make_rows([SamplingParams(seed=1)] * 4, seeds=[1, 2, 3, 4])))
     assert torch.equal(torch.get_rng_state(), state)
 
 
-def test_greedy_rows_do_not_consume_their_generator(sampler: Sampler) -> None:
-    gen = torch.Generator().manual_seed(5)
-    state = gen.get_state()
-    meta = build(make_rows([SamplingParams(temperature=0.0, seed=5), SamplingParams()],
-                           generators=[gen, None]))
-    assert meta.generators == {}
-    sampler(random_logits(2), meta)
-    assert torch.equal(gen.get_state(), state)
+def test_greedy_rows_are_not_seeded_rows() -> None:
+    meta = build(make_rows([SamplingParams(temperature=0.0, seed=5), SamplingParams()], seeds=[5, None]))
+    assert meta.seeded is None
 
 
 def test_metadata_float_fields() -> None:

@@ -14,7 +14,6 @@ runner, from the outputs' changes alone, holds every scheduled sequence's block 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from minivllm import SamplingParams
 from minivllm.config import EngineConfig
@@ -40,7 +39,7 @@ class MirroredScheduler(Scheduler):
 
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
         super().__init__(config, kv_cache_manager)
-        self.runner = PersistentBatch(torch.device("cpu"))
+        self.runner = PersistentBatch()
         self.added: dict[int, Sequence] = {}  # every sequence added, by id
 
     def add(self, seq: Sequence) -> None:

@@ -5,7 +5,9 @@ parameter and stop condition acts on each verified token as on a decoded one.
 The model has a 16-token vocabulary: its greedy continuations fall into loops, so prompt
 lookup finds drafts that are often right and often wrong."""
 
+import itertools
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -39,9 +41,9 @@ def plain_llm(model_dir: str) -> LLM:
     return LLM(model_dir, dtype="float32", max_model_len=128, block_size=8)
 
 
-def random_prompt(length: int, seed: int) -> list[int]:
+def random_prompt(length: int, seed: int, vocab_size: int = VOCAB_SIZE) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randrange(3, VOCAB_SIZE) for _ in range(length)]
+    return [rng.randrange(3, vocab_size) for _ in range(length)]
 
 
 def accepted_tokens(llm: LLM) -> int:
@@ -165,24 +167,28 @@ def test_abort_beside_rows_with_drafts_frees_every_block(spec_llm: LLM, model_di
 
 
 def test_verified_tokens_keep_the_target_distribution(spec_llm: LLM, model_dir: str) -> None:
-    """Temperature 1: the second output token is verified against a draft in every sample;
-    its frequencies must be the model's (chi-square). Accepting drafts more (or less) often
-    than p(draft) would skew them toward (or away from) the drafts."""
-    # Every token occurs in the prompt, so whatever the first output token, a draft follows it.
+    """Temperature 1: the third output token is sampled at a position that verifies a draft in
+    every sample (the second may be decoded while the first is read back; then drafts are
+    proposed, and max_tokens leaves room for one at the third); its frequencies must be the
+    model's (chi-square). Accepting drafts more (or less) often than p(draft) would skew them
+    toward (or away from) the drafts."""
+    # Every token occurs in the prompt, so whatever the output tokens, a draft follows them.
     prompt = list(np.random.default_rng(1).permutation(VOCAB_SIZE))
     prompt = [int(token) for token in prompt + prompt[:5]]
     num_samples = 1200
     drafts_before = spec_llm.llm_engine.stats()["spec_decode_num_drafts"]
     outputs = spec_llm.generate([{"prompt_token_ids": prompt}] * num_samples,
-                                SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
-    assert spec_llm.llm_engine.stats()["spec_decode_num_drafts"] - drafts_before == num_samples
-    counts = np.bincount([output.outputs[0].token_ids[1] for output in outputs], minlength=VOCAB_SIZE)
+                                SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert spec_llm.llm_engine.stats()["spec_decode_num_drafts"] - drafts_before >= num_samples
+    counts = np.bincount([output.outputs[0].token_ids[2] for output in outputs], minlength=VOCAB_SIZE)
     model = load_hf_model(model_dir)
+    pairs = [[first, second] for first in range(VOCAB_SIZE) for second in range(VOCAB_SIZE)]
     with torch.no_grad():
         first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], dim=-1)
-        second = torch.stack([torch.softmax(model(torch.tensor([prompt + [t]])).logits[0, -1], dim=-1)
-                              for t in range(VOCAB_SIZE)])
-    expected = (first @ second).numpy() * num_samples
+        second = torch.softmax(model(torch.tensor([prompt + [t] for t in range(VOCAB_SIZE)])).logits[:, -1], dim=-1)
+        third = torch.softmax(model(torch.tensor([prompt + pair for pair in pairs])).logits[:, -1], dim=-1)
+    # P(third) = sum over the first two tokens of P(first) P(second | first) P(third | both).
+    expected = ((first[:, None] * second).reshape(-1) @ third).numpy() * num_samples
     # Cells expected under 5 times pooled into one, as the test asks.
     small = expected < 5
     observed = np.append(counts[~small], counts[small].sum())
@@ -202,6 +208,88 @@ def test_seeded_samples_are_reproducible_and_batch_independent(spec_llm: LLM) ->
     assert batch[3].outputs[0].token_ids == alone
     other_seed = SamplingParams(temperature=0.8, top_k=10, seed=12, max_tokens=40, ignore_eos=True)
     assert spec_llm.generate({"prompt_token_ids": prompt}, other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_seeded_samples_are_the_ones_without_speculation(spec_llm: LLM, plain_llm: LLM) -> None:
+    """A seeded sequence draws for each output position what it would without speculation,
+    whether a decode step or a verify step samples it (and whatever the verify step rejects)."""
+    prompts = [{"prompt_token_ids": random_prompt(6, seed=s) * 3} for s in range(4)]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40, ignore_eos=True, n=1 + s % 2) for s in range(3)]
+    params.append(SamplingParams(temperature=0.7, top_p=0.9, seed=5, max_tokens=40, ignore_eos=True))
+    accepted_before = accepted_tokens(spec_llm)
+    got = spec_llm.generate(prompts, params, use_tqdm=False)
+    want = plain_llm.generate(prompts, params, use_tqdm=False)
+    assert accepted_tokens(spec_llm) > accepted_before
+    assert spec_llm.llm_engine.stats()["spec_decode_num_draft_tokens"] > accepted_tokens(spec_llm)  # some rejected
+    for got_output, want_output in zip(got, want):
+        assert [c.token_ids for c in got_output.outputs] == [c.token_ids for c in want_output.outputs]
+
+
+class RunnerCalls:
+    """Records, at each read-back (ModelRunner.collect), how many launched steps were not read
+    back yet: 2 where the next step was launched first (overlapped steps), 1 where not."""
+
+    def __init__(self, llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+        runner = llm.llm_engine.model_runner
+        self.launched = 0
+        self.in_flight_at_collect: list[int] = []
+        launch_sampling, collect = runner.launch_sampling, runner.collect
+
+        def record_launch(*args: Any) -> Any:
+            self.launched += 1
+            return launch_sampling(*args)
+
+        def record_collect(*args: Any) -> Any:
+            self.in_flight_at_collect.append(self.launched - len(self.in_flight_at_collect))
+            return collect(*args)
+
+        monkeypatch.setattr(runner, "launch_sampling", record_launch)
+        monkeypatch.setattr(runner, "collect", record_collect)
+
+
+def test_steps_overlap_where_nothing_matches(tiny_model_factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random text in a 768-token vocabulary: no bigram recurs, the proposer finds no drafts,
+    and every step is launched before the one before it is read back, as without speculation."""
+    model_dir = tiny_model_factory("Qwen3ForCausalLM")
+    llm = LLM(model_dir, dtype="float32", max_model_len=128, block_size=8,
+              speculative_config={**SPEC, "prompt_lookup_min": 2})
+    calls = RunnerCalls(llm, monkeypatch)
+    prompts = [random_prompt(12, seed=s, vocab_size=768) for s in range(3)]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    assert llm.llm_engine.stats()["spec_decode_num_drafts"] == 0
+    for prompt, output in zip(prompts, outputs):
+        assert list(output.outputs[0].token_ids) == hf_greedy(model_dir, prompt, 40)[0]
+    # All but the last read-back (nothing more to launch) overlap the next step.
+    in_flight = calls.in_flight_at_collect
+    assert in_flight[:-1] == [2] * (len(in_flight) - 1) and len(in_flight) > 30, in_flight
+
+
+@pytest.mark.parametrize("tight", [False, True])
+def test_drafts_come_and_go(model_dir: str, monkeypatch: pytest.MonkeyPatch, tight: bool) -> None:
+    """Trigram lookup over outputs that fall into loops and out of them: steps overlap until a
+    proposal finds drafts, run one at a time while drafts are found, and overlap again once none
+    are; greedy output stays the model's. Tight: with chunked prompts and preemptions too."""
+    limits = dict(max_num_batched_tokens=16, num_gpu_blocks_override=40, max_num_seqs=6) if tight else {}
+    llm = LLM(model_dir, dtype="float32", max_model_len=128, block_size=4 if tight else 8,
+              speculative_config={**SPEC, "prompt_lookup_min": 3, "prompt_lookup_max": 4}, **limits)
+    calls = RunnerCalls(llm, monkeypatch)
+    prompts = [random_prompt(12, seed=s) for s in range(6)]
+    for prompt in prompts[:2]:  # alone, then together with others at other points of their outputs
+        output = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=40,
+                                                                           ignore_eos=True), use_tqdm=False)
+        assert list(output[0].outputs[0].token_ids) == hf_greedy(model_dir, prompt, 40)[0]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           [SamplingParams(temperature=0.0, max_tokens=40 + 3 * i, ignore_eos=True) for i in range(6)],
+                           use_tqdm=False)
+    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+        assert list(output.outputs[0].token_ids) == hf_greedy(model_dir, prompt, 40 + 3 * i)[0]
+    stats = llm.llm_engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0 and stats["num_free_blocks"] == stats["num_blocks"]
+    assert (stats["num_preemptions"] > 0) == tight
+    in_flight = calls.in_flight_at_collect
+    switches = sum(a != b for a, b in itertools.pairwise(in_flight))
+    assert in_flight.count(2) > 10 and in_flight.count(1) > 10 and switches > 6, in_flight
 
 
 @pytest.mark.parametrize("case", ["max_tokens", "stop_token", "stop_string", "eos_after_min_tokens", "penalties",
@@ -267,3 +355,36 @@ def test_metrics_and_stats_line(caplog: pytest.LogCaptureFixture) -> None:
                  f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} 9.0",
                  f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="1"}} 3.0'):
         assert line in text.splitlines(), line
+
+
+def gpu_llm(model_dir: str, **kwargs: Any) -> LLM:
+    return LLM(model_dir, dtype="float32", max_model_len=128, block_size=8, gpu_memory_utilization=0.3,
+               max_num_seqs=16, **kwargs)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_samples_are_the_ones_without_speculation(model_dir: str, tiny_model_factory,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton kernels and CUDA graphs: greedy and seeded outputs with speculation are those
+    without (verify steps run the mixed attention kernel where decodes replay graphs: float32
+    rounds alike enough); and on random text in a 768-token vocabulary, steps overlap."""
+    spec, plain = gpu_llm(model_dir, speculative_config=SPEC), gpu_llm(model_dir)
+    prompts = [{"prompt_token_ids": random_prompt(6, seed=s) * 3} for s in range(4)]
+    prompts += [{"prompt_token_ids": random_prompt(12, seed=s)} for s in range(4, 8)]
+    params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=48, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=4, max_tokens=48, ignore_eos=True)]
+    for sampling in params:
+        got = spec.generate(prompts, sampling, use_tqdm=False)
+        want = plain.generate(prompts, sampling, use_tqdm=False)
+        for got_output, want_output in zip(got, want):
+            assert [c.token_ids for c in got_output.outputs] == [c.token_ids for c in want_output.outputs]
+    assert accepted_tokens(spec) > 0
+    spec.shutdown()
+    plain.shutdown()
+    no_match = gpu_llm(tiny_model_factory("Qwen3ForCausalLM"), speculative_config={**SPEC, "prompt_lookup_min": 2})
+    calls = RunnerCalls(no_match, monkeypatch)
+    no_match.generate([{"prompt_token_ids": random_prompt(12, seed=s, vocab_size=768)} for s in range(3)],
+                      SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    assert no_match.llm_engine.stats()["spec_decode_num_drafts"] == 0
+    assert calls.in_flight_at_collect[:-1] == [2] * (len(calls.in_flight_at_collect) - 1)

@@ -4,7 +4,6 @@ the order it runs a step's rows in (StepRows.order) and block-table rows written
 import random
 
 import numpy as np
-import torch
 
 from minivllm import SamplingParams
 from minivllm.engine.scheduler_output import NewSequenceData, SchedulerOutput
@@ -80,9 +79,9 @@ def test_rows_run_decodes_first_longest_context_first() -> None:
 
 
 def test_persistent_batch_follows_the_scheduler_output() -> None:
-    """New sequences get their own copies of the prompt and the block table, and a seeded
-    generator; block updates append or replace entries; finished sequences are dropped."""
-    batch = PersistentBatch(torch.device("cpu"))
+    """New sequences get their own copies of the prompt and the block table, and their seed;
+    block updates append or replace entries; finished sequences are dropped."""
+    batch = PersistentBatch()
     prompt, table = [5, 6, 7], [3, 4]
     seeded = SamplingParams(temperature=1.0, seed=9)
     batch.update(SchedulerOutput(new_seqs=[NewSequenceData(0, prompt, seeded, 9, table),
@@ -91,8 +90,7 @@ def test_persistent_batch_follows_the_scheduler_output() -> None:
     # The runner grows lists of its own, never the scheduler's.
     assert first.token_ids == prompt and first.token_ids is not prompt
     assert first.block_table == table and first.block_table is not table
-    assert first.generator is not None and second.generator is None
-    assert torch.equal(first.generator.get_state(), torch.Generator().manual_seed(9).get_state())
+    assert first.seed == 9 and second.seed is None
     batch.update(SchedulerOutput(block_updates=[(0, 2, [13]), (1, 0, [14, 15])]))
     assert first.block_table == [3, 4, 13] and first.block_table_epoch == 0  # appended
     assert second.block_table == [14, 15] and second.block_table_epoch == 1  # replaced
@@ -103,7 +101,7 @@ def test_persistent_batch_follows_the_scheduler_output() -> None:
 def test_a_steady_batch_keeps_the_last_steps_order() -> None:
     """The same rows again (a steady decode batch) reuse the last step's order, which is
     the order they would get afresh; other rows are ordered afresh."""
-    batch = PersistentBatch(torch.device("cpu"))
+    batch = PersistentBatch()
     batch.update(SchedulerOutput(new_seqs=[NewSequenceData(i, [1] * 20, SamplingParams(), None, [i])
                                            for i in range(4)]))
     last = batch.rows(scheduler_output([(0, 5, 1), (1, 9, 1), (2, 0, 4), (3, 9, 1)]))

@@ -393,11 +393,13 @@ class LLMEngine:
 
     def _needs_known_tokens(self) -> bool:
         """Penalties, min_tokens and bad words of several tokens read a sequence's latest
-        tokens: wait for them. So do draft tokens (speculative decoding): they follow a
-        sequence's last token, and how many tokens a step verified and kept decides where the
-        next one starts; so with speculative decoding a step is scheduled once the last one
-        is read back (no overlap), whether or not its rows end up with drafts."""
-        if self.config.speculative_config is not None:
+        tokens: wait for them. So do draft tokens (speculative decoding) while the proposer
+        finds some: they follow a sequence's last token, and how many tokens a step verified
+        and kept decides where the next one starts. (A step with drafts is read back before
+        the next is scheduled: its rows' proposals stay until then, or the sequence is gone.)
+        Where it finds none, steps overlap as without speculation, each proposing from the
+        tokens of the one read back."""
+        if self.scheduler.has_proposals:
             return True
         return any(seq.needs_token_history and (
             seq.params.has_penalties or 0 < seq.num_output_tokens <= seq.params.min_tokens
@@ -408,6 +410,7 @@ class LLMEngine:
         now = time.time()
         sampled = self.model_runner.collect(handle)
         guided = self.structured_outputs.guided
+        proposes = self.scheduler.proposer is not None
         for seq_id, positions in sampled.prompt_logprobs:  # before the tokens: a request may finish
             prompt_seq = self.seqs.get(seq_id)
             if prompt_seq is not None and not prompt_seq.is_finished:
@@ -435,8 +438,10 @@ class LLMEngine:
                     stopped = self._advance_grammar(seq, token)
                 if stopped:
                     break
-            if num_drafts and not stopped:
-                self.scheduler.settle_drafts(seq, num_drafts, len(tokens) - 1)
+            if not stopped and proposes:
+                if num_drafts:
+                    self.scheduler.settle_drafts(seq, num_drafts, len(tokens) - 1)
+                self.scheduler.propose(seq)
             # Offline requests only need their final output; streams get every delta.
             if stopped or request.stream:
                 advanced[request.request_id] = request

@@ -6,11 +6,12 @@ split into chunks when long. When KV blocks run out, the most recently admitted 
 sequence is preempted: its blocks are freed and it is recomputed later from the head of
 the waiting queue.
 
-With speculative decoding, a decoding sequence whose tokens are all known may carry draft
-tokens (a DraftProposer's: engine/ngram_proposer.py, engine/suffix_proposer.py): its row
-computes them after its last token, and the step verifies them. Its computed count then runs
-ahead by the drafts until the step is read back (settle_drafts rolls it back to the accepted
-ones). Rows guided by a grammar take no drafts.
+With speculative decoding, draft tokens are proposed for a sequence (a DraftProposer's:
+engine/ngram_proposer.py, engine/suffix_proposer.py) each time a step read back grows its known
+tokens (propose). A decoding sequence whose tokens are all known takes them: its row computes
+them after its last token, and the step verifies them. Its computed count then runs ahead by the
+drafts until the step is read back (settle_drafts rolls it back to the accepted ones). Rows
+guided by a grammar take no drafts.
 """
 
 from collections import deque
@@ -104,6 +105,9 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         spec = config.speculative_config
         self.proposer = PROPOSERS[spec.method](spec) if spec is not None else None
+        # The running sequences whose last proposal found draft tokens, and those drafts
+        # (proposed from the tokens known then: all of the sequence's, once none is pending).
+        self._proposals: dict[int, list[int]] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -162,20 +166,40 @@ class Scheduler:
         finished, self._finished_seq_ids = self._finished_seq_ids, []
         return step.build(finished)
 
-    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
-        """Draft tokens for a decoding sequence: within the step's token budget, and no more
-        than could be kept (max_tokens, max_model_len: the drafts and the token after them
-        must fit). No drafts for a sequence with a token still in flight (its last token is not
-        known yet) or guided by a grammar (its grammar would have to check the drafts first)."""
+    @property
+    def has_proposals(self) -> bool:
+        """Some running sequence has draft tokens proposed: the engine reads each step back
+        before it schedules the next, so that they follow its last token."""
+        return bool(self._proposals)
+
+    def propose(self, seq: Sequence) -> None:
+        """Propose draft tokens for a sequence whose known tokens a step read back has just
+        grown (its drafts settled): no more than could be kept (max_tokens, max_model_len: the
+        drafts and the token after them must fit). None for a sequence guided by a grammar (its
+        grammar would have to check the drafts first) or preempted (it is recomputed first).
+        With a token still pending, the proposal only says that drafts are likely: the next
+        one, from all its tokens, decides."""
         assert self.proposer is not None  # (called with speculative decoding only)
-        if seq.num_pending_tokens or seq.params.structured_outputs is not None:
-            return []
+        if seq.status is not SequenceStatus.RUNNING or seq.params.structured_outputs is not None:
+            return
         num_tokens = seq.num_tokens
-        room = min(budget, self.max_model_len - num_tokens) - 1
+        room = self.max_model_len - num_tokens - 1
         max_tokens = seq.params.max_tokens
         if max_tokens is not None:
             room = min(room, max_tokens - seq.num_output_tokens - 1)
-        return self.proposer.propose(seq, room) if room > 0 else []
+        drafts = self.proposer.propose(seq, room) if room > 0 else []
+        if drafts:
+            self._proposals[seq.seq_id] = drafts
+        else:
+            self._proposals.pop(seq.seq_id, None)
+
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """A decoding sequence's proposed draft tokens that fit the step's token budget; none
+        while a token of it is in flight (they would not follow its last token)."""
+        if seq.num_pending_tokens:
+            return []
+        drafts = self._proposals.get(seq.seq_id)
+        return drafts[:budget - 1] if drafts else []
 
     def settle_drafts(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """After a step verified num_drafts drafts of seq and its accepted tokens joined seq's
@@ -189,6 +213,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv_cache_manager.free(seq)
+        self._proposals.pop(seq.seq_id, None)  # re-proposed once its recomputed prompt samples
         seq.runner_blocks = 0  # the runner keeps the sequence; its new table is sent whole
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -208,6 +233,7 @@ class Scheduler:
         seq.num_pending_tokens = 0  # whatever is still in flight for it is dropped
         if self.proposer is not None:
             self.proposer.finish(seq)
+            self._proposals.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = finish_reason
         seq.stop_reason = stop_reason

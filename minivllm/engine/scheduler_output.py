@@ -3,10 +3,10 @@
 Plain data, nothing of the engine's live objects: the scheduler builds it and the runner
 reads it, and neither side reaches into the other. The runner keeps what it needs of each
 sequence between steps (executor/persistent_batch.py: token ids, block table, sampling
-parameters, generator) and appends the tokens it samples itself, so a step carries only
+parameters, seed) and appends the tokens it samples itself, so a step carries only
 what changed: sequences the runner has not seen yet, block-table entries it lacks, and
-sequences it may forget. A preempted sequence keeps its state in the runner (its tokens,
-its generator's position): admitted again, it comes back as a block update from entry 0.
+sequences it may forget. A preempted sequence keeps its state in the runner (its tokens):
+admitted again, it comes back as a block update from entry 0.
 """
 
 from dataclasses import dataclass, field
@@ -32,8 +32,8 @@ class NewSequenceData:
     # token list it grows with the sequence's sampled tokens.
     prompt_token_ids: list[int]
     params: SamplingParams
-    # Seeds the sequence's own torch.Generator (which the runner creates), so that a seeded
-    # sample does not depend on the rest of the batch; None: the default generator.
+    # The seed of the sequence's draws (the sampler hashes it with each output position), so
+    # that a seeded sample does not depend on the rest of the batch; None: unseeded.
     seed: int | None
     block_ids: list[int]  # its block table
     # Top candidates per prompt position whose logprobs its prefill computes; None: none.

@@ -24,7 +24,7 @@ class Sequence:
         # Whether sampling reads this sequence's tokens so far (penalties, min_tokens): read
         # once here, since every step asks it of every running sequence.
         self.needs_token_history = params.needs_token_history
-        self.seed = seed  # of its own random stream (the runner's generator); None: unseeded
+        self.seed = seed  # of its draws (hashed with each output position); None: unseeded
         # Candidates per prompt position whose logprobs this sequence's prefill computes (the
         # request's first sample only); None: none. Such a sequence computes its whole prompt:
         # it takes no prefix-cache hits (its blocks are cached for others all the same).

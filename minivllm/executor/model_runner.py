@@ -155,7 +155,7 @@ class ModelRunner:
             config.max_num_seqs * (1 + spec.num_speculative_tokens))
         self.backend = self._make_attention_backend()
         logger.info("Loaded weights in %.1f s", time.perf_counter() - start)
-        self.batch = PersistentBatch(self.device)  # the scheduler's sequences (rank 0)
+        self.batch = PersistentBatch()  # the scheduler's sequences (rank 0)
         # Ids of the start-up steps' made-up sequences: negative, never an engine's.
         self._start_up_seq_ids = itertools.count(-1, -1)
         # The last step's sampled tokens on the device, and each sampled sequence's row there.
@@ -443,7 +443,7 @@ class ModelRunner:
                 # (Every position a guided row's: no row index to copy and gather by.)
                 guided_rows = None if len(grammar.rows) == len(logits) else forward.first_position[grammar.rows]
                 apply_token_bitmask(logits, grammar.bitmask, guided_rows)
-            sampled = self.sampler(logits, self._sampling_metadata(rows, drafts))
+            sampled = self.sampler(logits, self._sampling_metadata(rows, drafts, forward.first_position))
             # The next step reads these on the device, for sequences whose token is still pending
             # (at the positions prepare_forward noted).
             self.last_sampled = sampled.sampled_token_ids
@@ -497,23 +497,41 @@ class ModelRunner:
         num_drafts = [len(drafts) for drafts in handle.drafts] if handle.drafts else [0] * len(token_ids)
         return SampledTokens(handle.seq_ids, token_ids, logprobs, num_drafts, prompt_logprobs)
 
-    def _sampling_metadata(self, rows: StepRows, drafts: list[list[int]]) -> SamplingMetadata:
+    def _sampling_metadata(self, rows: StepRows, drafts: list[list[int]], first_position: np.ndarray
+                           ) -> SamplingMetadata:
         """The sampling parameters of the sampled rows, on the device (drafts: each one's draft
         tokens, or [] for a step without any: then a row per sampled row, else one per position
-        that samples). A step without drafts that samples the same sequences as the last one,
-        in the same order (a steady decode batch), reuses its metadata: a sequence's
-        parameters never change, and what depends on its outputs (SamplingMetadata.reads_outputs)
-        makes the metadata one step's only."""
+        that samples, each row's first at first_position). A step without drafts that samples
+        the same sequences as the last one, in the same order (a steady decode batch), reuses
+        its metadata: a sequence's parameters never change, and what depends on its outputs
+        (SamplingMetadata.reads_outputs) makes the metadata one step's only. Seeded rows get
+        their keys for the output positions they sample."""
         if drafts:
-            return SamplingMetadata.build([row for state, row_drafts in zip(rows.sampled, drafts)
+            meta = SamplingMetadata.build([row for state, row_drafts in zip(rows.sampled, drafts)
                                            for row in state.draft_sampling_rows(row_drafts)],
                                           self.vocab_size, self.device)
-        if self._sampling_cache is not None and self._sampling_cache[0] == rows.sampled_ids:
-            return self._sampling_cache[1]
-        meta = SamplingMetadata.build([state.sampling_row() for state in rows.sampled], self.vocab_size,
-                                      self.device)
-        self._sampling_cache = None if meta.reads_outputs else (rows.sampled_ids, meta)
-        return meta
+        elif self._sampling_cache is not None and self._sampling_cache[0] == rows.sampled_ids:
+            meta = self._sampling_cache[1]
+        else:
+            meta = SamplingMetadata.build([state.sampling_row() for state in rows.sampled], self.vocab_size,
+                                          self.device)
+            self._sampling_cache = None if meta.reads_outputs else (rows.sampled_ids, meta)
+        if meta.seeded is None:
+            return meta
+        return meta.at_output_positions(_output_positions(rows, drafts, first_position))
+
+
+def _output_positions(rows: StepRows, drafts: list[list[int]], first_position: np.ndarray) -> np.ndarray:
+    """Per position the step samples (_sample_positions'), the index among its sequence's
+    outputs of the token it samples: a row's last input precedes its last sampled token (a row
+    with drafts samples at its last known token and at each draft)."""
+    num_prompt_tokens = np.array([state.num_prompt_tokens for state in rows.sampled], dtype=np.int64)
+    last = (rows.num_computed_tokens + rows.num_new_tokens)[rows.sample_rows] - num_prompt_tokens
+    if not drafts:
+        return last
+    # The row starting at first_position[r] samples last[r] - d_r, ..., last[r] (d_r drafts).
+    per_row = np.array([len(row_drafts) + 1 for row_drafts in drafts], dtype=np.int64)
+    return np.repeat(last - per_row + 1 - first_position, per_row) + np.arange(int(per_row.sum()))
 
 
 def _sample_positions(rows: StepRows) -> tuple[list[list[int]], np.ndarray]:

@@ -10,7 +10,6 @@ from itertools import compress
 from typing import cast
 
 import numpy as np
-import torch
 
 from minivllm.engine.scheduler_output import SchedulerOutput
 from minivllm.layers.sampler import SamplingRow
@@ -30,7 +29,7 @@ class SequenceState:
     num_prompt_tokens: int
     params: SamplingParams
     needs_token_history: bool  # params.needs_token_history, read once
-    generator: torch.Generator | None  # seeded sequences' own random stream
+    seed: int | None  # seeded sequences' (their draws hash it with each output position)
     block_table: list[int]
     # Top candidates per prompt position whose logprobs it computes (None: none), and the
     # positions done so far: a prefill recomputed after a preemption does not repeat them.
@@ -52,9 +51,9 @@ class SequenceState:
     def sampling_row(self) -> SamplingRow:
         """The sampler's row; the token history is copied only where sampling reads it."""
         if not self.needs_token_history:
-            return SamplingRow(self.params, (), (), self.generator)
+            return SamplingRow(self.params, (), (), self.seed)
         split = self.num_prompt_tokens
-        return SamplingRow(self.params, self.token_ids[:split], self.token_ids[split:], self.generator)
+        return SamplingRow(self.params, self.token_ids[:split], self.token_ids[split:], self.seed)
 
     def draft_sampling_rows(self, drafts: list[int]) -> list[SamplingRow]:
         """The sampler's rows at the positions that verify draft tokens and the one after
@@ -148,8 +147,7 @@ class StepRows:
 class PersistentBatch:
     """The sequences the runner holds, by id, kept up to date from each SchedulerOutput."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device  # where seeded sequences' generators live (the sampler's device)
+    def __init__(self) -> None:
         self.states: dict[int, SequenceState] = {}
         # Sequences with prompt logprobs still to compute, by id.
         self.awaiting_prompt_logprobs: dict[int, SequenceState] = {}
@@ -162,13 +160,10 @@ class PersistentBatch:
             del states[seq_id]
             self.awaiting_prompt_logprobs.pop(seq_id, None)
         for new in out.new_seqs:
-            generator = None
-            if new.seed is not None:
-                generator = torch.Generator(device=self.device).manual_seed(new.seed)
             # Copies: the runner grows both lists.
             state = states[new.seq_id] = SequenceState(
                 new.seq_id, list(new.prompt_token_ids), len(new.prompt_token_ids), new.params,
-                new.params.needs_token_history, generator, list(new.block_ids), new.num_prompt_logprobs)
+                new.params.needs_token_history, new.seed, list(new.block_ids), new.num_prompt_logprobs)
             if new.num_prompt_logprobs is not None and state.num_prompt_tokens > 1:
                 self.awaiting_prompt_logprobs[new.seq_id] = state
         for seq_id, start, block_ids in out.block_updates:

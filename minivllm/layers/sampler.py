@@ -20,19 +20,20 @@ logprobs see the grammar, as in vLLM):
    (a Sampler built under use_triton_kernels, as for kernels="triton") two kernels
    (minivllm/kernels/sampling.py) draw the same distribution in two levels, chunks of the
    vocabulary then tokens of one chunk, the noise in registers; otherwise the formula in
-   torch (`gumbel_noise`). A seeded row draws its randomness from its own generator, so its
-   tokens do not depend on what else is in the batch or where its row is.
+   torch (`gumbel_noise`). A seeded row draws its randomness from its seed and the output
+   position it samples alone (`SeededRows`), so its tokens do not depend on what else is in the
+   batch, where its row is, or how many tokens a step samples for its sequence.
 
 Steps 2 to 6 and the filters work on a float32 copy of the logits; a step that needs none of
 them reads the model's logits as they are (the caller's tensor is never modified).
 Nothing loops over the vocabulary in Python; the only Python loops are over rows when
-building the metadata and over seeded rows for their generators.
+building the metadata.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -46,10 +47,14 @@ _MAX_TOP_K_WITHOUT_FULL_SORT = 1024
 
 _NEG_INF = float("-inf")
 
-# Per-step random draws: a Philox key per row for the Triton kernels, 32-bit words per token
-# for the torch formula (both exclusive upper bounds of Tensor.random_).
-_SEED_HIGH = 2**63 - 1
-_BITS_HIGH = 2**32
+# Per-step random draws: a 63-bit Philox key per row for the Triton kernels, 32-bit words per
+# token for the torch formula.
+_KEY_BITS = 63
+_WORD_BITS = 32
+# splitmix64's increment and multipliers, as int64 (two's complement: products wrap).
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15 - 2**64
+_MIX_1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX_2 = 0x94D049BB133111EB - 2**64
 
 
 @dataclass
@@ -61,7 +66,7 @@ class SamplingRow:
     # repetition_penalty (empty where nothing reads it: SequenceState.sampling_row).
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-    generator: torch.Generator | None = None  # seeded requests; on the model's device
+    seed: int | None = None  # seeded requests: their sequence's seed
 
 
 @dataclass
@@ -107,11 +112,19 @@ class SamplingMetadata:
     allowed_rows: torch.Tensor | None  # [A] int64
     disallowed_mask: torch.Tensor | None  # [A, V] bool, True = set to -inf
 
-    generators: dict[int, torch.Generator]  # row -> generator, seeded random rows only
+    seeded: SeededRows | None  # the random rows with a seed; None: none
     max_num_logprobs: int | None  # max over rows of params.logprobs; None: nobody asks
     # Whether anything above depends on the rows' outputs so far (penalties, min_tokens still
     # blocking, bad words of several tokens): then this metadata is good for one step only.
     reads_outputs: bool
+
+    def at_output_positions(self, positions: np.ndarray) -> SamplingMetadata:
+        """This metadata for a step whose rows sample these output positions (int64 [B]: per
+        row, the index among its sequence's outputs of the token it samples): with the seeded
+        rows' keys for them. Itself where no row is seeded."""
+        if self.seeded is None:
+            return self
+        return replace(self, seeded=self.seeded.at_output_positions(positions))
 
     @property
     def has_filters(self) -> bool:
@@ -213,13 +226,55 @@ class SamplingMetadata:
             logit_bias_values=None if bias_values is None else to_device(bias_values, device),
             allowed_rows=None if allowed_rows is None else to_device(allowed_rows, device),
             disallowed_mask=None if disallowed is None else to_device(disallowed, device),
-            generators={i: row.generator for i, row in enumerate(rows)
-                        if row.generator is not None and not greedy[i]},
+            seeded=SeededRows.of([(i, row.seed) for i, row in enumerate(rows)
+                                  if row.seed is not None and not greedy[i]], device),
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None),
                                  default=None),
             reads_outputs=use_penalties or min_rows is not None or (
                 has_bad_words and any(p.has_bad_word_prefixes for p in params)),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class SeededRows:
+    """A step's random rows that have a seed. Each draws its noise from one key, a hash of its
+    seed and the output position it samples: what a sequence draws for its p-th output token
+    depends on (seed, p) alone, not on the batch, where its row sits, or how many tokens the
+    step samples for it (a verify step of speculative decoding draws at each position what a
+    decode step would have there, so a seeded request's output is the one without speculation)."""
+
+    host_rows: np.ndarray  # [S] int64
+    rows: torch.Tensor  # [S] int64, on the sampler's device
+    hashed_seeds: torch.Tensor  # [S] int64 on the host: _mix64 of each row's seed
+    keys: torch.Tensor | None = None  # [S] int64 on the device, for one step (at_output_positions)
+
+    @classmethod
+    def of(cls, seeds: list[tuple[int, int]], device: torch.device) -> SeededRows | None:
+        """From (row, seed) pairs (seeds in [-2**63, 2**64)); None for none."""
+        if not seeds:
+            return None
+        rows = np.array([row for row, _ in seeds], dtype=np.int64)
+        # As 64-bit words (n samples of a request seeded s use s, s + 1, ..., past 2**63 - 1 too).
+        words = np.array([seed & (2**64 - 1) for _, seed in seeds], dtype=np.uint64).view(np.int64)
+        return cls(rows, to_device(rows, device), _mix64(torch.from_numpy(words)))
+
+    def at_output_positions(self, positions: np.ndarray) -> SeededRows:
+        """These rows with their keys for a step whose rows sample `positions` (SamplingMetadata's)."""
+        keys = _mix64(self.hashed_seeds + torch.from_numpy(positions[self.host_rows]))
+        return replace(self, keys=to_device(keys.numpy(), self.rows.device))
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 words (wrapping, as unsigned): a bijection that scatters
+    nearby inputs over all 64 bits."""
+    x = (x ^ _shift_right(x, 30)) * _MIX_1
+    x = (x ^ _shift_right(x, 27)) * _MIX_2
+    return x ^ _shift_right(x, 31)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x >> bits of int64 words taken as unsigned (torch's >> keeps the sign)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -380,9 +435,9 @@ class Sampler(torch.nn.Module):
         # Before the filters below, which work in place on these logits.
         greedy = None if meta.all_random else logits.argmax(dim=-1)
         if meta.has_filters:  # the filters need the scaled logits: scale them in place
-            sampled = self.gumbel_max_sample(self.filter_logits(logits, meta), None, meta.generators)
+            sampled = self.gumbel_max_sample(self.filter_logits(logits, meta), None, meta.seeded)
         else:  # the noise is scaled instead, in the same pass
-            sampled = self.gumbel_max_sample(logits, meta.temperature, meta.generators)
+            sampled = self.gumbel_max_sample(logits, meta.temperature, meta.seeded)
         if greedy is None or meta.greedy_mask is None:  # all_random: both None
             return sampled
         return torch.where(meta.greedy_mask, greedy, sampled)
@@ -480,43 +535,49 @@ def _top_k_top_p_cutoff(logits: torch.Tensor, meta: SamplingMetadata) -> torch.T
 
 
 class GumbelMaxSample(CustomOp):
-    """forward(logits [B, V], temperature [B] or None, generators) -> [B] int64: per row, a
+    """forward(logits [B, V], temperature [B] or None, seeded) -> [B] int64: per row, a
     sample from softmax(logits / T) (temperature None: T = 1, the logits are scaled already):
     argmax_j(logits_j + T * G_j) with G_j ~ Gumbel(0, 1) i.i.d.
 
-    Seeded rows take their randomness from their own generator only (generators: row -> its
-    generator); the other rows from the device's default generator. With Triton: one Philox
-    key per row and step (kernels/sampling.py's two kernels derive all of the row's noise from
-    it, in two levels; tests run them on CPU under Triton's interpreter). In torch: 32-bit
-    words per token, turned into noise by gumbel_noise. Either way a row's noise does not
-    depend on the batch. No host synchronisation."""
+    Seeded rows (seeded: SeededRows, with this step's keys) take their randomness from their
+    key only; the other rows from the device's default generator. With Triton: one Philox key
+    per row and step (kernels/sampling.py's two kernels derive all of the row's noise from it,
+    in two levels; tests run them on CPU under Triton's interpreter). In torch: 32-bit words
+    per token, turned into noise by gumbel_noise. Either way a row's noise does not depend on
+    the batch. No host synchronisation."""
 
     def forward_triton(self, logits: torch.Tensor, temperature: torch.Tensor | None,
-                       generators: dict[int, torch.Generator]) -> torch.Tensor:
+                       seeded: SeededRows | None) -> torch.Tensor:
         from minivllm.kernels import sampling  # imported only where Triton is used
         num_rows = logits.shape[0]
-        seeds = _draw_per_row(num_rows, 1, _SEED_HIGH, generators, logits.device)
-        return sampling.gumbel_max_sample(logits, seeds.view(num_rows), temperature)
+        keys = _draw_per_row(num_rows, 1, _KEY_BITS, seeded, logits.device)
+        return sampling.gumbel_max_sample(logits, keys.view(num_rows), temperature)
 
     def forward_native(self, logits: torch.Tensor, temperature: torch.Tensor | None,
-                       generators: dict[int, torch.Generator]) -> torch.Tensor:
+                       seeded: SeededRows | None) -> torch.Tensor:
         num_rows, vocab_size = logits.shape
-        noise = gumbel_noise(_draw_per_row(num_rows, vocab_size, _BITS_HIGH, generators, logits.device))
+        noise = gumbel_noise(_draw_per_row(num_rows, vocab_size, _WORD_BITS, seeded, logits.device))
         if temperature is not None:
             noise.mul_(temperature.unsqueeze(1))
         return noise.add_(logits).argmax(dim=-1)
 
 
-def _draw_per_row(num_rows: int, width: int, high: int, generators: dict[int, torch.Generator],
+def _draw_per_row(num_rows: int, width: int, bits: int, seeded: SeededRows | None,
                   device: torch.device) -> torch.Tensor:
-    """[num_rows, width] int64, uniform in [0, high): a seeded row's from its own generator
-    (so it consumes the same draws wherever the row sits), the others' from the device's
-    default generator (not touched when every row is seeded)."""
+    """[num_rows, width] int64, uniform in [0, 2**bits): a seeded row's from its key (word j
+    the top bits of splitmix64's j-th output after it: a counter, so that the row's draws are
+    its key's whatever else the step draws), the others' from the device's default generator
+    (not touched when every row is seeded)."""
     draws = torch.empty(num_rows, width, dtype=torch.int64, device=device)
-    if len(generators) < num_rows:
-        draws.random_(0, high)
-    for row, generator in generators.items():
-        draws[row].random_(0, high, generator=generator)
+    if seeded is None or len(seeded.host_rows) < num_rows:
+        if bits < 63:
+            draws.random_(0, 2**bits)
+        else:
+            draws.random_()  # [0, 2**63): its bound, 2**63, is past int64
+    if seeded is not None:
+        assert seeded.keys is not None, "seeded rows draw at output positions: SamplingMetadata.at_output_positions"
+        counters = torch.arange(1, width + 1, dtype=torch.int64, device=device) * _GOLDEN_GAMMA
+        draws[seeded.rows] = _shift_right(_mix64(seeded.keys.unsqueeze(1) + counters), 64 - bits)
     return draws
 
 
