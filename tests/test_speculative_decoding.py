@@ -112,22 +112,38 @@ def test_greedy_is_hf_with_cache_hits_chunked_prefill_and_preemption(model_dir: 
     assert per_position == sorted(per_position, reverse=True)  # a position is reached only past the ones before
 
 
-def test_grammar_guided_rows_beside_rows_with_drafts(spec_llm: LLM, model_dir: str) -> None:
-    """Guided rows take no drafts; their grammar masks land on their own positions among the
-    step's sampled ones, which rows with drafts before them shift."""
-    prompts = [random_prompt(6, seed=s) * 3 for s in range(4)]
-    guided = SamplingParams(temperature=0.0, max_tokens=20,
-                            structured_outputs=StructuredOutputsParams(regex="(!#)+\\$"))
+def test_grammar_guided_rows_take_drafts_their_grammar_checks(spec_llm: LLM, plain_llm: LLM, model_dir: str) -> None:
+    """Guided rows take drafts too: each of their positions is masked by the grammar's state
+    after the drafts before it (rows with drafts before them shift those positions), and a
+    draft the grammar refuses is never kept; the output is the one without speculation."""
+    prompts = [random_prompt(6, seed=s) * 3 for s in range(6)]
+    # Outputs that repeat themselves (their drafts accepted), and ones drafted from prompts whose
+    # tokens the grammar refuses.
+    regex = StructuredOutputsParams(regex="(!#){5,8}\\$")
+    alternating = StructuredOutputsParams(regex="(%#|#%)(%#|#%|%%#)*,")
+    guided = [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=so) for so in (regex, alternating)]
     free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    params = [free, guided[0], free, guided[1], guided[0], guided[1]]
+    inputs = [{"prompt_token_ids": p} for p in prompts]
     accepted_before = accepted_tokens(spec_llm)
-    outputs = spec_llm.generate([{"prompt_token_ids": p} for p in prompts], [free, guided, free, guided],
-                                use_tqdm=False)
+    outputs = spec_llm.generate(inputs, params, use_tqdm=False)
     assert accepted_tokens(spec_llm) > accepted_before
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [
+        list(o.outputs[0].token_ids) for o in plain_llm.generate(inputs, params, use_tqdm=False)]
     for i in (0, 2):
         assert list(outputs[i].outputs[0].token_ids) == hf_greedy(model_dir, prompts[i], 40)[0]
-    for i in (1, 3):
+    for i in (1, 4):
         text = outputs[i].outputs[0].text
         assert text.startswith("!#") and text.endswith("$") and set(text) <= set("!#$"), text
+    # Guided requests alone: their own drafts are verified and accepted.
+    accepted_before = accepted_tokens(spec_llm)
+    alone = spec_llm.generate([inputs[1], inputs[4]], [guided[0], guided[0]], use_tqdm=False)
+    assert accepted_tokens(spec_llm) > accepted_before
+    assert [o.outputs[0].text for o in alone] == [outputs[1].outputs[0].text, outputs[4].outputs[0].text]
+    # Sampled and seeded: each position's draw and mask as without speculation.
+    seeded = SamplingParams(temperature=1.0, max_tokens=24, seed=5, structured_outputs=alternating)
+    assert ([o.outputs[0].text for o in spec_llm.generate(inputs[3:], seeded, use_tqdm=False)]
+            == [o.outputs[0].text for o in plain_llm.generate(inputs[3:], seeded, use_tqdm=False)])
 
 
 def test_blocks_of_accepted_tokens_are_cached(spec_llm: LLM) -> None:

@@ -16,7 +16,7 @@ from minivllm.engine.kv_cache_manager import KVCacheManager
 from minivllm.engine.metrics import MAX_LISTED_REQUESTS, EngineSnapshot, RequestRow
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import Sequence, SequenceStatus
-from minivllm.engine.structured_outputs import StructuredOutputManager
+from minivllm.engine.structured_outputs import GuidedRow, StructuredOutputManager
 from minivllm.executor.model_runner import ForwardPass, ModelRunner, StepHandle, TokenLogprobs
 from minivllm.executor.worker import Workers
 from minivllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
@@ -120,8 +120,8 @@ class LLMEngine:
         self.seqs: dict[int, Sequence] = {}  # the requests' sequences, by id
         self.in_flight: StepHandle | None = None  # the launched step not yet read back
         # A step whose forward pass is queued and whose sampling waits for the grammar masks of
-        # its guided rows (their places among its sampled rows, and seq ids).
-        self.awaiting_masks: tuple[ForwardPass, list[tuple[int, int]]] | None = None
+        # its guided rows.
+        self.awaiting_masks: tuple[ForwardPass, list[GuidedRow]] | None = None
         self.failure: BaseException | None = None  # what broke a step (the engine is then unusable)
         self._request_counter = itertools.count()
         # Tokens processed, for the progress bar's live rates.

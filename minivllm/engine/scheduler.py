@@ -10,8 +10,8 @@ With speculative decoding, draft tokens are proposed for a sequence (a DraftProp
 engine/ngram_proposer.py, engine/suffix_proposer.py) each time a step read back grows its known
 tokens (propose). A decoding sequence whose tokens are all known takes them: its row computes
 them after its last token, and the step verifies them. Its computed count then runs ahead by the
-drafts until the step is read back (settle_drafts rolls it back to the accepted ones). Rows
-guided by a grammar take no drafts.
+drafts until the step is read back (settle_drafts rolls it back to the accepted ones). A
+grammar-guided row's drafts meet its grammar when its masks are filled (engine/structured_outputs.py).
 """
 
 from collections import deque
@@ -175,12 +175,11 @@ class Scheduler:
     def propose(self, seq: Sequence) -> None:
         """Propose draft tokens for a sequence whose known tokens a step read back has just
         grown (its drafts settled): no more than could be kept (max_tokens, max_model_len: the
-        drafts and the token after them must fit). None for a sequence guided by a grammar (its
-        grammar would have to check the drafts first) or preempted (it is recomputed first).
-        With a token still pending, the proposal only says that drafts are likely: the next
+        drafts and the token after them must fit). None for a preempted sequence (it is
+        recomputed first). With a token still pending, the proposal only says that drafts are likely: the next
         one, from all its tokens, decides."""
         assert self.proposer is not None  # (called with speculative decoding only)
-        if seq.status is not SequenceStatus.RUNNING or seq.params.structured_outputs is not None:
+        if seq.status is not SequenceStatus.RUNNING:
             return
         num_tokens = seq.num_tokens
         room = self.max_model_len - num_tokens - 1

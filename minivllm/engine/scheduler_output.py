@@ -77,11 +77,13 @@ class SchedulerOutput:
 
 @dataclass(frozen=True, slots=True)
 class GrammarBitmask:
-    """The tokens each grammar-guided row of a step may sample next (engine/structured_outputs.py),
+    """The tokens each grammar-guided position of a step may sample (engine/structured_outputs.py),
     handed to the runner's launch_sampling once the previous step's tokens are known.
 
     xgrammar's layout: bit t % 32 of word t // 32 of a row is token t, 1 = allowed; every other
     token (and rows not listed) stays as it is."""
 
-    rows: np.ndarray  # int64: the guided rows, as places in the step's sampled rows (the scheduler's order)
+    # int64: the masked positions among the step's sampled logits (a row with d draft tokens
+    # samples 1 + d positions, in the scheduler's order of rows), one per bitmask row.
+    rows: np.ndarray
     bitmask: torch.Tensor  # int32 [len(rows), ceil(vocab_size / 32)] on the host (pinned where CUDA copies it)

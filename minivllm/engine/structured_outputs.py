@@ -58,6 +58,15 @@ class _Guided:
     reasoning_ended: bool  # until then the sequence is free text, its matcher untouched
 
 
+@dataclass(frozen=True, slots=True)
+class GuidedRow:
+    """A guided sequence's row in a step: where its sampled positions start, and its drafts."""
+
+    position: int
+    seq_id: int
+    drafts: list[int]
+
+
 @dataclass(slots=True)
 class _Compiling:
     """A request waiting for its grammar."""
@@ -171,46 +180,85 @@ class StructuredOutputManager:
 
     # --- steps ------------------------------------------------------------------------------
 
-    def guided_rows(self, out: SchedulerOutput) -> list[tuple[int, int]]:
-        """The step's sampled rows of guided sequences: (place among the sampled rows, seq id)."""
-        guided = self.guided
+    def guided_rows(self, out: SchedulerOutput) -> list[GuidedRow]:
+        """The step's sampled rows of guided sequences, each with its first position among the
+        step's sampled positions (a row with d draft tokens samples 1 + d) and its drafts."""
+        guided, drafts = self.guided, out.draft_token_ids
         rows = []
-        place = 0
+        position = 0
         for seq_id, samples in zip(out.seq_ids, out.samples):
             if samples:
+                row_drafts = drafts.get(seq_id, []) if drafts else []
                 if seq_id in guided:
-                    rows.append((place, seq_id))
-                place += 1
+                    rows.append(GuidedRow(position, seq_id, row_drafts))
+                position += 1 + len(row_drafts)
         return rows
 
-    def bitmask(self, rows: list[tuple[int, int]]) -> GrammarBitmask | None:
-        """The next-token masks of guided_rows' rows, from their matchers as they stand (after
-        the tokens read back so far); None when none is masked (finished since, or still
-        reasoning). The bitmask is one pinned buffer, rewritten each step: the engine reads a
-        step back, which waits for its copy of the bitmask, before it asks for the next one."""
+    def bitmask(self, rows: list[GuidedRow]) -> GrammarBitmask | None:
+        """The next-token masks of guided_rows' positions, from their matchers as they stand
+        (after the tokens read back so far); None when none is masked (finished since, or still
+        reasoning). A row's draft tokens are fed to its matcher one by one, each position's mask
+        taken after the drafts before it, and taken back after: the mask where a draft breaks
+        the grammar forbids that draft, so nothing past it is kept. The bitmask is one pinned
+        buffer, rewritten each step: the engine reads a step back, which waits for its copy of
+        the bitmask, before it asks for the next one."""
         import xgrammar as xgr
 
-        places, matchers = [], []
-        for place, seq_id in rows:
-            guided = self.guided.get(seq_id)
-            if guided is not None and guided.reasoning_ended and not guided.matcher.is_terminated():
-                places.append(place)
+        positions, matchers, drafted = [], [], []
+        for row in rows:
+            guided = self.guided.get(row.seq_id)
+            if guided is None:
+                continue
+            if row.drafts:
+                drafted.append((row, guided))
+            elif guided.reasoning_ended and not guided.matcher.is_terminated():
+                positions.append(row.position)
                 matchers.append(guided.matcher)
-        if not matchers:
+        num_masks = len(matchers) + sum(1 + len(row.drafts) for row, _ in drafted)
+        if not num_masks:
             return None
-        if self._bitmask is None:
-            self._bitmask = xgr.allocate_token_bitmask(self.max_num_seqs, self.vocab_size)
+        if self._bitmask is None or len(self._bitmask) < num_masks:
+            self._bitmask = xgr.allocate_token_bitmask(max(self.max_num_seqs, num_masks), self.vocab_size)
             if self.pin_memory:
                 self._bitmask = self._bitmask.pin_memory()
-        bitmask = self._bitmask[:len(matchers)]
+        bitmask = self._bitmask
         if len(matchers) >= BATCH_FILL_MIN_ROWS:
             if self._batch_matcher is None:
                 self._batch_matcher = xgr.BatchGrammarMatcher()
-            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
+            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask[:len(matchers)])
         else:
             for i, matcher in enumerate(matchers):
                 matcher.fill_next_token_bitmask(bitmask, i)
-        return GrammarBitmask(np.array(places, dtype=np.int64), bitmask)
+        for row, guided in drafted:
+            positions += self._fill_along_drafts(row, guided, bitmask, len(positions))
+        if not positions:
+            return None
+        return GrammarBitmask(np.array(positions, dtype=np.int64), bitmask[:len(positions)])
+
+    def _fill_along_drafts(self, row: GuidedRow, guided: _Guided, bitmask: torch.Tensor, first: int) -> list[int]:
+        """Fill bitmask rows from `first` on with the masks of row's positions (the state after
+        the drafts before each), then take the drafts back out of its matcher; the positions
+        filled. A position while reasoning, or past the grammar's end or a draft it refuses,
+        gets no mask (its token is free, or not kept)."""
+        matcher, reasoning_ended = guided.matcher, guided.reasoning_ended
+        filled: list[int] = []
+        accepted = 0
+        for i in range(len(row.drafts) + 1):
+            if reasoning_ended and not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(bitmask, first + len(filled))
+                filled.append(row.position + i)
+            if i == len(row.drafts):
+                break
+            draft = row.drafts[i]
+            if not reasoning_ended:
+                reasoning_ended = self.reasoner is None or self.reasoner.is_reasoning_end([draft])
+            elif matcher.is_terminated() or not matcher.accept_token(draft):
+                break
+            else:
+                accepted += 1
+        if accepted:
+            matcher.rollback(accepted)
+        return filled
 
     def accept(self, seq: Sequence, token: int) -> str | None:
         """Advance seq's matcher (if it has one) with its newly read-back token: "stop" once

@@ -439,10 +439,9 @@ class ModelRunner:
         host = []
         if sampled_ids:
             assert logits is not None  # rank 0, with sampled rows
-            if grammar is not None:  # (guided rows have no drafts)
-                # (Every position a guided row's: no row index to copy and gather by.)
-                guided_rows = None if len(grammar.rows) == len(logits) else forward.first_position[grammar.rows]
-                apply_token_bitmask(logits, grammar.bitmask, guided_rows)
+            if grammar is not None:
+                # (Every position a guided one: no index to copy and gather by.)
+                apply_token_bitmask(logits, grammar.bitmask, None if len(grammar.rows) == len(logits) else grammar.rows)
             sampled = self.sampler(logits, self._sampling_metadata(rows, drafts, forward.first_position))
             # The next step reads these on the device, for sequences whose token is still pending
             # (at the positions prepare_forward noted).
