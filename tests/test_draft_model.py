@@ -155,3 +155,24 @@ def test_abort_frees_every_block_of_both_caches(spec_llm: LLM, model_dir: str) -
     for i in (0, 2):
         assert list(outputs[f"abort-{i}"].outputs[0].token_ids) == hf_greedy(model_dir, prompts[i], 40)[0]
     assert_every_block_free(spec_llm)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_outputs_are_the_ones_without_speculation(model_dir: str, draft_dir: str) -> None:
+    """Triton kernels and CUDA graphs in both runners (the draft's decode steps replay its own
+    graphs): greedy and seeded outputs with a draft model are those without, and both caches
+    are freed."""
+    kwargs: dict = dict(dtype="float32", max_model_len=128, block_size=8, gpu_memory_utilization=0.3, max_num_seqs=16)
+    spec, plain = LLM(model_dir, speculative_config=draft_spec(draft_dir), **kwargs), LLM(model_dir, **kwargs)
+    prompts = [{"prompt_token_ids": random_prompt(6, seed=s) * 3} for s in range(4)]
+    prompts += [{"prompt_token_ids": random_prompt(12, seed=s)} for s in range(4, 8)]
+    for params in (SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
+                   SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=48, ignore_eos=True)):
+        got = spec.generate(prompts, params, use_tqdm=False)
+        want = plain.generate(prompts, params, use_tqdm=False)
+        for got_output, want_output in zip(got, want):
+            assert [c.token_ids for c in got_output.outputs] == [c.token_ids for c in want_output.outputs]
+    stats = spec.llm_engine.stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    assert draft_proposer(spec).runner.graphs is not None
+    assert_every_block_free(spec)

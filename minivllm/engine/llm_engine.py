@@ -10,6 +10,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from minivllm.config import EngineConfig
 from minivllm.engine.detokenizer import IncrementalDetokenizer, detokenize
+from minivllm.engine.draft_model_proposer import DraftModelProposer
 from minivllm.engine.grammar_spec import GrammarSpec
 from minivllm.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from minivllm.engine.kv_cache_manager import KVCacheManager
@@ -101,8 +102,6 @@ def _proposer(config: EngineConfig, num_blocks: int) -> DraftProposer | None:
     if spec is None:
         return None
     if spec.method == "draft_model":
-        from minivllm.engine.draft_model_proposer import DraftModelProposer  # (loads a second model)
-
         return DraftModelProposer(config, num_blocks)
     return NgramProposer(spec) if spec.method == "ngram" else SuffixProposer(spec)
 
