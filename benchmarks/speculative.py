@@ -1,7 +1,8 @@
 """W7 — speculative decoding on real text (benchmarks/README.md): SmolLM2-135M-Instruct, batch 1,
 greedy, up to 256 output tokens, on prompts whose answers reuse their input; decode tokens/s
-and the mean acceptance length with speculation (ngram, or --method suffix) beside the same
-engine without it, and W2's random 1,024-token prompt (nothing to match: speculation's cost).
+and the mean acceptance length with speculation (ngram, or --method suffix, or --method draft_model
+--draft-model PATH) beside the same engine without it, and W2's random 1,024-token prompt (nothing
+to match: speculation's cost).
 
     python -m benchmarks.speculative [--model SMOLLM2_GGUF_OR_DIR] [--num-speculative-tokens 4] [--runs 3]
     python -m benchmarks.speculative --hf-dir /tmp/smollm2             # the GGUF as a bf16 directory, run there
@@ -79,7 +80,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.set_defaults(model=None)
-    parser.add_argument("--method", choices=["ngram", "suffix"], default="ngram")
+    parser.add_argument("--method", choices=["ngram", "suffix", "draft_model"], default="ngram")
+    parser.add_argument("--draft-model", default=None,
+                        help="with --method draft_model: the draft model's directory or .gguf file")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
@@ -101,10 +104,15 @@ def main() -> None:
     speculative_config: dict[str, Any] = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
     if args.method == "ngram":
         speculative_config |= {"prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    if args.method == "draft_model":
+        if args.draft_model is None:
+            raise SystemExit("--method draft_model needs --draft-model PATH.")
+        speculative_config["model"] = args.draft_model
     baseline = _run_engine(args, spec, None)
     speculative = _run_engine(args, spec, speculative_config)
     metrics: dict[str, Any] = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens,
-                               "prompt_lookup": [args.prompt_lookup_min, args.prompt_lookup_max], "runs": args.runs}
+                               "prompt_lookup": [args.prompt_lookup_min, args.prompt_lookup_max],
+                               "draft_model": args.draft_model, "runs": args.runs}
     for name in [*PROMPTS, "w2_random"]:
         plain, spec_run = baseline[name], speculative[name]
         metrics[name] = {

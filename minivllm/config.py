@@ -1,7 +1,7 @@
 """EngineConfig: every engine knob, validated once, up front."""
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -95,10 +95,13 @@ class SpeculativeConfig:
     "suffix" drafts by suffix decoding: the longest match of its last tokens (at most
     suffix_decoding_max_tree_depth) in its own tokens or in the outputs of the last
     suffix_decoding_max_cached_requests requests, continued by the most frequent tokens that
-    followed there (engine/suffix_proposer.py)."""
+    followed there (engine/suffix_proposer.py). "draft_model" drafts with a smaller model of the
+    same vocabulary (`model`: its directory or .gguf file), num_speculative_tokens greedy steps
+    on its own paged KV cache (engine/draft_model_proposer.py)."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = None  # type: ignore[assignment]  # required for ngram
+    num_speculative_tokens: int = None  # type: ignore[assignment]  # required for ngram and draft_model
+    model: str | None = None  # the draft model's path (draft_model only)
     # As vLLM: either alone sets both; neither: 5 and 5 (typed as resolved, as EngineConfig's lengths).
     prompt_lookup_max: int = None  # type: ignore[assignment]
     prompt_lookup_min: int = None  # type: ignore[assignment]
@@ -115,9 +118,13 @@ class SpeculativeConfig:
         return cls(**values)
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "suffix"):
+        if self.method not in ("ngram", "suffix", "draft_model"):
             raise ValueError(f"speculative_config method {self.method!r} is not available: minivllm drafts "
-                             "by prompt lookup (\"ngram\") and by suffix decoding (\"suffix\").")
+                             "by prompt lookup (\"ngram\"), by suffix decoding (\"suffix\") and with a "
+                             "draft model (\"draft_model\").")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config needs model (the draft model's directory or .gguf file) "
+                             "with method \"draft_model\", and only with it.")
         if self.method == "suffix" and self.num_speculative_tokens is None:
             object.__setattr__(self, "num_speculative_tokens", self.suffix_decoding_max_tree_depth)  # (frozen)
         if self.num_speculative_tokens is None:
@@ -193,6 +200,8 @@ class EngineConfig:
     torch_dtype: torch.dtype = field(init=False)
     kv_cache_torch_dtype: torch.dtype = field(init=False)
     fp8_config: Fp8Config | None = field(init=False)  # the linear layers' FP8 scheme, or None
+    # The draft model's config (speculative_config's "draft_model" method), else None.
+    draft_config: "EngineConfig | None" = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs_config, dict):
@@ -209,6 +218,7 @@ class EngineConfig:
         self.fp8_config = resolve_fp8_config(self.hf_config, self.quantization)
         self._resolve_lengths()
         self._validate()
+        self.draft_config = self._draft_config()
 
     def _load_hf_config(self) -> PretrainedConfig:
         if is_gguf(self.model):
@@ -310,6 +320,28 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must divide the experts' "
                              f"moe_intermediate_size ({moe_intermediate}): choose a tensor_parallel_size "
                              "that divides it.")
+
+    def _draft_config(self) -> "EngineConfig | None":
+        """The draft model's config: this engine's settings (its dtype, lengths, block size,
+        device, kernels), the draft's weights, no prefix caching. Raises ValueError where the
+        draft cannot serve this model."""
+        spec = self.speculative_config
+        if spec is None or spec.model is None:
+            return None
+        if self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config's draft_model runs with tensor_parallel_size=1 only for now: "
+                             "use method \"ngram\" or \"suffix\" with tensor parallelism.")
+        try:
+            draft = replace(self, model=spec.model, dtype=self.torch_dtype, speculative_config=None,
+                            enable_prefix_caching=False, quantization=None, reasoning_parser=None,
+                            load_format="dummy" if self.load_format == "dummy" else "auto")
+        except ValueError as error:
+            raise ValueError(f"speculative_config's draft model {spec.model!r}: {error}") from error
+        if draft.hf_config.vocab_size != self.hf_config.vocab_size:
+            raise ValueError(f"speculative_config's draft model {spec.model!r} has a vocabulary of "
+                             f"{draft.hf_config.vocab_size} tokens, the model {self.hf_config.vocab_size}: "
+                             "a draft model must share the model's vocabulary.")
+        return draft
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -10,13 +10,16 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from minivllm.config import EngineConfig
 from minivllm.engine.detokenizer import IncrementalDetokenizer, detokenize
+from minivllm.engine.draft_model_proposer import DraftModelProposer
 from minivllm.engine.grammar_spec import GrammarSpec
 from minivllm.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from minivllm.engine.kv_cache_manager import KVCacheManager
 from minivllm.engine.metrics import MAX_LISTED_REQUESTS, EngineSnapshot, RequestRow
-from minivllm.engine.scheduler import Scheduler
+from minivllm.engine.ngram_proposer import NgramProposer
+from minivllm.engine.scheduler import DraftProposer, Scheduler
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.structured_outputs import GuidedRow, StructuredOutputManager
+from minivllm.engine.suffix_proposer import SuffixProposer
 from minivllm.executor.model_runner import ForwardPass, ModelRunner, StepHandle, TokenLogprobs
 from minivllm.executor.worker import Workers
 from minivllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
@@ -92,6 +95,17 @@ def _other_ranks(config: EngineConfig) -> "Workers | RayWorkers | None":
     return Workers(config)
 
 
+def _proposer(config: EngineConfig, num_blocks: int) -> DraftProposer | None:
+    """Speculative decoding's draft proposer for speculative_config's method; None without it.
+    num_blocks: the model's KV-cache blocks (a draft model's cache gets as many)."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    if spec.method == "draft_model":
+        return DraftModelProposer(config, num_blocks)
+    return NgramProposer(spec) if spec.method == "ngram" else SuffixProposer(spec)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -108,7 +122,7 @@ class LLMEngine:
             raise
         self.kv_cache_manager = KVCacheManager(self.model_runner.num_blocks, config.block_size,
                                                config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv_cache_manager)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, _proposer(config, self.model_runner.num_blocks))
         # Requests with structured outputs wait there for their grammar, then join the scheduler.
         # A reasoning model's grammar applies once its reasoning has ended.
         reasoner = (reasoning_parser_class(config.reasoning_parser)(self.tokenizer)
@@ -411,6 +425,7 @@ class LLMEngine:
         sampled = self.model_runner.collect(handle)
         guided = self.structured_outputs.guided
         proposes = self.scheduler.proposer is not None
+        grown: list[Sequence] = []  # sequences to propose drafts for, all at once
         for seq_id, positions in sampled.prompt_logprobs:  # before the tokens: a request may finish
             prompt_seq = self.seqs.get(seq_id)
             if prompt_seq is not None and not prompt_seq.is_finished:
@@ -441,10 +456,12 @@ class LLMEngine:
             if not stopped and proposes:
                 if num_drafts:
                     self.scheduler.settle_drafts(seq, num_drafts, len(tokens) - 1)
-                self.scheduler.propose(seq)
+                grown.append(seq)
             # Offline requests only need their final output; streams get every delta.
             if stopped or request.stream:
                 advanced[request.request_id] = request
+        if grown:
+            self.scheduler.propose(grown)
         finished = [request for request in advanced.values() if request.finished]
         final_texts = self._final_texts([(request, seq) for request in finished for seq in request.seqs
                                          if request.detokenizers[seq.index] is None])

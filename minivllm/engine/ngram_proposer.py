@@ -47,11 +47,14 @@ class NgramProposer:
         self.max_n = config.prompt_lookup_max
         self._tokens = TokenArrays()
 
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+    def draft(self, seq: Sequence, max_tokens: int) -> list[int]:
         """Up to min(num_speculative_tokens, max_tokens) draft tokens to follow seq's known
         tokens; [] when its suffix occurred nowhere before."""
         return find_draft(self._tokens.get(seq), self.min_n, self.max_n,
                           min(self.num_speculative_tokens, max_tokens)).tolist()
+
+    def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> list[list[int]]:
+        return list(map(self.draft, seqs, max_tokens))
 
     def finish(self, seq: Sequence) -> None:
         """Drop a finished sequence's copy."""

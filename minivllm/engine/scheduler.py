@@ -7,31 +7,28 @@ sequence is preempted: its blocks are freed and it is recomputed later from the 
 the waiting queue.
 
 With speculative decoding, draft tokens are proposed for a sequence (a DraftProposer's:
-engine/ngram_proposer.py, engine/suffix_proposer.py) each time a step read back grows its known
-tokens (propose). A decoding sequence whose tokens are all known takes them: its row computes
-them after its last token, and the step verifies them. Its computed count then runs ahead by the
-drafts until the step is read back (settle_drafts rolls it back to the accepted ones). A
-grammar-guided row's drafts meet its grammar when its masks are filled (engine/structured_outputs.py).
+engine/ngram_proposer.py, engine/suffix_proposer.py, engine/draft_model_proposer.py) each time a
+step read back grows its known tokens (propose, for all such sequences at once). A decoding
+sequence whose tokens are all known takes them: its row computes them after its last token,
+and the step verifies them. Its computed count then runs ahead by the drafts until the step is
+read back (settle_drafts rolls it back to the accepted ones). A grammar-guided row's drafts meet
+its grammar when its masks are filled (engine/structured_outputs.py).
 """
 
 from collections import deque
 from typing import Protocol
 
-from minivllm.config import EngineConfig, SpeculativeConfig
+from minivllm.config import EngineConfig
 from minivllm.engine.kv_cache_manager import KVCacheManager
-from minivllm.engine.ngram_proposer import NgramProposer
 from minivllm.engine.scheduler_output import BlockUpdate, NewSequenceData, SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceStatus
-from minivllm.engine.suffix_proposer import SuffixProposer
 
 
 class DraftProposer(Protocol):
     """Speculative decoding's source of draft tokens (one per speculative_config method)."""
 
-    def __init__(self, config: SpeculativeConfig) -> None: ...
-
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        """At most max_tokens draft tokens to follow seq's known tokens."""
+    def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> list[list[int]]:
+        """Per sequence, at most its max_tokens draft tokens to follow its known tokens."""
         ...
 
     def finish(self, seq: Sequence) -> None:
@@ -39,11 +36,9 @@ class DraftProposer(Protocol):
         ...
 
 
-PROPOSERS: dict[str, type[DraftProposer]] = {"ngram": NgramProposer, "suffix": SuffixProposer}
-
-
-class _StepBuilder:
-    """Collects one step's rows, and what the runner lacks of their sequences."""
+class StepBuilder:
+    """Collects one step's rows, and what the runner lacks of their sequences (the scheduler's,
+    and a draft model's runner's: engine/draft_model_proposer.py)."""
 
     __slots__ = (
         "block_updates",
@@ -98,13 +93,14 @@ class _StepBuilder:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager,
+                 proposer: DraftProposer | None = None) -> None:
+        """proposer: speculative decoding's drafts (LLMEngine makes it from speculative_config)."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.kv_cache_manager = kv_cache_manager
-        spec = config.speculative_config
-        self.proposer = PROPOSERS[spec.method](spec) if spec is not None else None
+        self.proposer = proposer
         # The running sequences whose last proposal found draft tokens, and those drafts
         # (proposed from the tokens known then: all of the sequence's, once none is pending).
         self._proposals: dict[int, list[int]] = {}
@@ -118,7 +114,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:
-        step = _StepBuilder()
+        step = StepBuilder()
         budget = self.max_num_batched_tokens
         preempted = False
         # 1. Running sequences: decodes and continuing prompt chunks, oldest first.
@@ -172,25 +168,31 @@ class Scheduler:
         before it schedules the next, so that they follow its last token."""
         return bool(self._proposals)
 
-    def propose(self, seq: Sequence) -> None:
-        """Propose draft tokens for a sequence whose known tokens a step read back has just
-        grown (its drafts settled): no more than could be kept (max_tokens, max_model_len: the
-        drafts and the token after them must fit). None for a preempted sequence (it is
-        recomputed first). With a token still pending, the proposal only says that drafts are likely: the next
-        one, from all its tokens, decides."""
+    def propose(self, seqs: list[Sequence]) -> None:
+        """Propose draft tokens for the sequences whose known tokens a step read back has just
+        grown (their drafts settled), all at once: no more than could be kept (max_tokens,
+        max_model_len: the drafts and the token after them must fit). None for a preempted
+        sequence (it is recomputed first). With a token still pending, the proposal only says that drafts are
+        likely: the next one, from all its tokens, decides."""
         assert self.proposer is not None  # (called with speculative decoding only)
-        if seq.status is not SequenceStatus.RUNNING:
-            return
-        num_tokens = seq.num_tokens
-        room = self.max_model_len - num_tokens - 1
-        max_tokens = seq.params.max_tokens
-        if max_tokens is not None:
-            room = min(room, max_tokens - seq.num_output_tokens - 1)
-        drafts = self.proposer.propose(seq, room) if room > 0 else []
-        if drafts:
-            self._proposals[seq.seq_id] = drafts
-        else:
-            self._proposals.pop(seq.seq_id, None)
+        asked, rooms = [], []
+        for seq in seqs:
+            room = 0
+            if seq.status is SequenceStatus.RUNNING:
+                room = self.max_model_len - seq.num_tokens - 1
+                max_tokens = seq.params.max_tokens
+                if max_tokens is not None:
+                    room = min(room, max_tokens - seq.num_output_tokens - 1)
+            if room > 0:
+                asked.append(seq)
+                rooms.append(room)
+            else:
+                self._proposals.pop(seq.seq_id, None)
+        for seq, drafts in zip(asked, self.proposer.propose(asked, rooms) if asked else []):
+            if drafts:
+                self._proposals[seq.seq_id] = drafts
+            else:
+                self._proposals.pop(seq.seq_id, None)
 
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:
         """A decoding sequence's proposed draft tokens that fit the step's token budget; none

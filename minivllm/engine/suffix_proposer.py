@@ -151,7 +151,7 @@ class SuffixProposer:
         self.outputs = OutputCache(config.suffix_decoding_max_cached_requests)
         self._tokens = TokenArrays()
 
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+    def draft(self, seq: Sequence, max_tokens: int) -> list[int]:
         """Up to min(num_speculative_tokens, max_tokens) draft tokens to follow seq's known
         tokens (the better of its own tokens' draft and the earlier outputs'); [] when its last
         token occurred nowhere before."""
@@ -167,6 +167,9 @@ class SuffixProposer:
         earlier = suffix_draft(self.outputs.occurrences(last), pattern, max_tokens, self.max_spec_factor,
                                self.min_token_prob)
         return (earlier if earlier.score > own.score else own).tokens
+
+    def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> list[list[int]]:
+        return list(map(self.draft, seqs, max_tokens))
 
     def finish(self, seq: Sequence) -> None:
         """A sequence finished: its output joins the earlier outputs."""

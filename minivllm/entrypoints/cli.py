@@ -51,8 +51,9 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_speculative_config_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", type=_json_object, default=None,
-                        help='speculative decoding as JSON, vLLM\'s keys: method ("ngram"), num_speculative_tokens, '
-                             'prompt_lookup_max, prompt_lookup_min (e.g. \'{"method": "ngram", '
+                        help='speculative decoding as JSON, vLLM\'s keys: method ("ngram", "suffix" or "draft_model"), '
+                             'num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, suffix_decoding_*, '
+                             'model (the draft model\'s path) (e.g. \'{"method": "ngram", '
                              '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\')')
 
 

@@ -35,6 +35,7 @@ from minivllm.layers.fp8_linear import fp8_linear_layers
 from minivllm.layers.linear import choose_small_batch_kernels
 from minivllm.layers.sampler import Sampler, SamplingMetadata, apply_token_bitmask, gather_logprobs, to_device
 from minivllm.loader import init_dummy_weights, load_weights
+from minivllm.models.llama import LlamaForCausalLM
 from minivllm.models.registry import build_model
 from minivllm.sampling_params import SamplingParams
 
@@ -133,15 +134,9 @@ class ModelRunner:
         # What this process held before this engine (another engine, say): not ours to count.
         self._memory_baseline = torch.cuda.memory_allocated() if self.device.type == "cuda" else 0
         start = time.perf_counter()
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with (torch.device(self.device), use_triton_kernels(config.kernels == "triton"),
-                  fp8_linear_layers(config.fp8_config)):
-                self.model = build_model(hf_config, config.max_model_len)
-                self.sampler = Sampler()
-        finally:
-            torch.set_default_dtype(default_dtype)
+        self.model = _build_model(config, self.device)
+        with use_triton_kernels(config.kernels == "triton"):
+            self.sampler = Sampler()
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)
         else:
@@ -163,9 +158,14 @@ class ModelRunner:
         self.last_sampled_rows: dict[int, int] = {}
         self.buffers = InputBuffers(max(config.max_num_batched_tokens, config.max_num_seqs), config.max_num_seqs,
                                     config.max_blocks_per_seq, self.device)
+        # A draft model's weights and KV cache (as many blocks as this one) share the budget.
+        draft_weight_bytes, draft_block_bytes = (0, 0) if config.draft_config is None else model_footprint(
+            config.draft_config)
         self.num_blocks = num_kv_blocks(
-            config, kv_bytes_per_block(self.model.attention_layers(), self.kv_cache_dtype, self.block_size),
-            self.device, self._profile_free_gpu_memory)
+            config,
+            kv_bytes_per_block(self.model.attention_layers(), self.kv_cache_dtype, self.block_size)
+            + draft_block_bytes,
+            self.device, lambda: max(self._profile_free_gpu_memory() - draft_weight_bytes, 0))
         self._allocate_kv_cache(self.num_blocks)
         self._sampled_host = [torch.zeros(self.max_sampled_rows, dtype=torch.int64,
                                           pin_memory=self.device.type == "cuda") for _ in range(2)]
@@ -303,6 +303,13 @@ class ModelRunner:
         """Take in what the scheduler says changed: new sequences, block-table entries,
         finished sequences (PersistentBatch.update)."""
         self.batch.update(out)
+
+    def replace_tokens(self, seq_id: int, start: int, token_ids: list[int]) -> None:
+        """A sequence's tokens from `start` on are these (a draft model's runner: the target model
+        kept other tokens than the ones it sampled); the KV cache past them is recomputed."""
+        tokens = self.batch.states[seq_id].token_ids
+        del tokens[start:]
+        tokens += token_ids
 
     def prepare_inputs(self, rows: StepRows, graph: GraphShape | None = None,
                        prompt_logprobs: PromptLogprobRows | None = None) -> StepInputs:
@@ -518,6 +525,27 @@ class ModelRunner:
         if meta.seeded is None:
             return meta
         return meta.at_output_positions(_output_positions(rows, drafts, first_position))
+
+
+def _build_model(config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
+    """The model of config, its parameters in config's dtype on `device` (weights not loaded)."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(config.torch_dtype)
+    try:
+        with (torch.device(device), use_triton_kernels(config.kernels == "triton"),
+              fp8_linear_layers(config.fp8_config)):
+            return build_model(config.hf_config, config.max_model_len)
+    finally:
+        torch.set_default_dtype(default_dtype)
+
+
+def model_footprint(config: EngineConfig) -> tuple[int, int]:
+    """The bytes of config's model's weights (and buffers), and of one block of its KV cache:
+    the model built on the meta device, which allocates nothing."""
+    model = _build_model(config, torch.device("meta"))
+    weight_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+    return weight_bytes, kv_bytes_per_block(model.attention_layers(), config.kv_cache_torch_dtype,
+                                            config.block_size)
 
 
 def _output_positions(rows: StepRows, drafts: list[list[int]], first_position: np.ndarray) -> np.ndarray:
