@@ -9,7 +9,7 @@ fi
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "torch==2.13.0"
 # The console script is the sign that minivllm itself is installed (importing it from the
 # repository root would succeed without that).
-if [ ! -x .venv/bin/minivllm ] || ! .venv/bin/python -c "import pytest, hypothesis, triton, openai, fastapi, uvicorn, prometheus_client, httptools, gguf, accelerate, ruff, mypy, lm_eval, jsonschema, ray" 2>/dev/null; then
+if [ ! -x .venv/bin/minivllm ] || ! .venv/bin/python -c "import pytest, xdist, hypothesis, triton, openai, fastapi, uvicorn, prometheus_client, httptools, gguf, accelerate, ruff, mypy, lm_eval, jsonschema, ray" 2>/dev/null; then
     .venv/bin/pip install -q -e ".[test]"
 fi
 # SmolLM2-135M-Instruct as a Q4_1 GGUF file (~100 MB, downloaded once): the default model of
