@@ -188,8 +188,10 @@ def _spec_counters(llm: Any) -> dict[str, float]:
 def export_hf_dir(gguf_path: str, directory: str) -> str:
     """A bf16 Hugging Face directory of the GGUF file's model (config, weights, tokenizer with its
     chat template), written once; a directory passes through."""
-    if os.path.isdir(gguf_path) or os.path.exists(os.path.join(directory, "config.json")):
-        return gguf_path if os.path.isdir(gguf_path) else directory
+    if os.path.isdir(gguf_path):
+        return gguf_path
+    if os.path.exists(os.path.join(directory, "config.json")):  # written by an earlier run
+        return directory
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

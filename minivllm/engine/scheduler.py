@@ -172,8 +172,8 @@ class Scheduler:
         """Propose draft tokens for the sequences whose known tokens a step read back has just
         grown (their drafts settled), all at once: no more than could be kept (max_tokens,
         max_model_len: the drafts and the token after them must fit). None for a preempted
-        sequence (it is recomputed first). With a token still pending, the proposal only says that drafts are
-        likely: the next one, from all its tokens, decides."""
+        sequence (it is recomputed first). With a token still pending, the proposal only says
+        that drafts are likely: the next one, from all its tokens, decides."""
         assert self.proposer is not None  # (called with speculative decoding only)
         asked, rooms = [], []
         for seq in seqs:
