@@ -16,7 +16,8 @@ this rank's slice of them and computes the layer's matmul:
   activation dtype (the same function; CI tests it on CPU).
 """
 
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -132,6 +133,12 @@ class Fp8LinearMethod:
         # Block weights multiply in Triton (kernels/fp8_matmul.py) where the kernels are Triton's and
         # the blocks a multiple of 16 columns wide (tl.dot's least K), as real checkpoints' 128 are.
         self.triton_blocks = triton_kernels_enabled() and block is not None and block[1] % 16 == 0
+        # With the Triton kernels, activations quantise in one launch (kernels/fp8_quant.py).
+        self.quantize_activations: Callable[[torch.Tensor, int | None, torch.Tensor | None],
+                                            tuple[torch.Tensor, torch.Tensor]] = quantize_activations
+        if triton_kernels_enabled():
+            from minivllm.kernels.fp8_quant import quantize_activations_triton  # imported only where Triton is used
+            self.quantize_activations = functools.partial(quantize_activations_triton, min_scale=MIN_SCALE)
         if block is not None and tp_size() > 1:
             sizes, block_size, what = ((output_sizes, block[0], "output rows") if shard_dim == 0
                                        else ([input_size], block[1], "input columns"))
@@ -253,7 +260,8 @@ class Fp8LinearMethod:
         if config.activation_scheme == "none":
             return None
         static_scale = _tensor(layer, self.input_scale_name) if config.activation_scheme == "static" else None
-        return quantize_activations(x, None if config.weight_block is None else config.weight_block[1], static_scale)
+        return self.quantize_activations(x, None if config.weight_block is None else config.weight_block[1],
+                                         static_scale)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, expert: int | None = None
               ) -> torch.Tensor:
