@@ -61,3 +61,13 @@ def test_strided_rows_and_an_empty_batch() -> None:
     empty = wide[:0]
     quantized, scale = quantize_activations_triton(empty, None, None, MIN_SCALE)
     assert quantized.shape == (0, 160) and scale.shape == (0, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 7, 256])
+@pytest.mark.parametrize("cols, group", [(4096, None), (12288, None), (4096, 128), (12288, 128)])
+def test_qwen3_8b_shapes_in_bfloat16(rows: int, cols: int, group: int | None) -> None:
+    """Qwen3-8B's projection inputs (hidden 4096, intermediate 12288) in bfloat16, per token and
+    per 128-column block, under PDL where the GPU has it."""
+    x = activations(rows, cols, torch.bfloat16, seed=rows + cols)
+    assert_same(quantize_activations_triton(x, group, None, MIN_SCALE), quantize_activations(x, group, None))
