@@ -83,7 +83,9 @@ def main() -> None:
     parser.add_argument("--method", choices=["ngram", "suffix", "draft_model"], default="ngram")
     parser.add_argument("--draft-model", default=None,
                         help="with --method draft_model: the draft model's directory or .gguf file")
-    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="draft tokens a step (default 4; suffix: its own default, the tree depth, each "
+                             "draft as long as its match supports)")
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3)
@@ -101,7 +103,11 @@ def main() -> None:
         args.model = export_hf_dir(args.model, args.hf_dir)
     # (A GGUF file as well as a directory: make_llm reads only the path, the load format and the positions.)
     spec = ModelSpec(path=args.model, load_format=args.load_format, vocab_size=0, max_position_embeddings=1 << 30)
-    speculative_config: dict[str, Any] = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
+    if args.num_speculative_tokens is None and args.method != "suffix":
+        args.num_speculative_tokens = 4
+    speculative_config: dict[str, Any] = {"method": args.method}
+    if args.num_speculative_tokens is not None:
+        speculative_config["num_speculative_tokens"] = args.num_speculative_tokens
     if args.method == "ngram":
         speculative_config |= {"prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
     if args.method == "draft_model":
