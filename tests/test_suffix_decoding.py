@@ -75,6 +75,20 @@ def test_output_cache_keeps_the_last_requests(monkeypatch: pytest.MonkeyPatch) -
     assert all(len(ends) == 0 for _, ends in OutputCache(0).occurrences(7))
 
 
+def test_output_cache_finds_every_occurrence_while_filling_and_sealed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each segment's occurrences of a token are exactly its positions, whether the segment is
+    still filling (past its first buffer's size) or sealed and sorted."""
+    monkeypatch.setattr("minivllm.engine.suffix_proposer.SEGMENT_TOKENS", 3000)
+    rng = np.random.default_rng(0)
+    cache = OutputCache(max_requests=1000)
+    for _ in range(40):
+        cache.add(rng.integers(0, 50, int(rng.integers(1, 300))).tolist())
+        for token in (0, 7, 49, 50):
+            for tokens, ends in cache.occurrences(token):
+                assert np.array_equal(np.sort(ends), np.flatnonzero(tokens == token))
+    assert len(cache.occurrences(7)) >= 2  # a sealed segment and an open one
+
+
 def test_config_as_vllm_takes_it() -> None:
     config = SpeculativeConfig.from_dict({"method": "suffix"})
     assert config.num_speculative_tokens == config.suffix_decoding_max_tree_depth == 24  # vLLM's defaults

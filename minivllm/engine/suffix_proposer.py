@@ -15,7 +15,6 @@ sum higher is taken.
 
 import math
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,32 +84,45 @@ def suffix_draft(occurrences: Occurrences, pattern: np.ndarray, max_tokens: int,
 
 
 class _Segment:
-    """Earlier outputs, concatenated with separators; indexed once full."""
+    """Earlier outputs, concatenated with separators: while it fills, its tokens' positions are
+    kept by token; once full, it is indexed by sorting."""
 
-    __slots__ = ("_order", "_sorted", "num_outputs", "open_tokens", "tokens")
+    __slots__ = ("_buffer", "_open_positions", "_order", "_sorted", "num_outputs", "tokens")
 
     def __init__(self) -> None:
-        self.open_tokens: list[int] = []  # while the segment fills
-        self.tokens = np.empty(0, dtype=np.int64)
+        self._buffer = np.empty(1024, dtype=np.int64)  # grows by doubling while the segment fills
+        self.tokens = self._buffer[:0]
+        self._open_positions: dict[int, list[int]] | None = {}
         self.num_outputs = 0
         self._order: np.ndarray | None = None
         self._sorted: np.ndarray | None = None
 
-    def add(self, output: Iterable[int]) -> None:
-        self.open_tokens.extend(output)
-        self.open_tokens.append(SEPARATOR)
+    def add(self, output: list[int]) -> None:
+        assert self._open_positions is not None, "a sealed segment takes no more outputs"
+        start, end = len(self.tokens), len(self.tokens) + len(output) + 1
+        if end > len(self._buffer):
+            grown = np.empty(max(end, 2 * len(self._buffer)), dtype=np.int64)
+            grown[:start] = self.tokens
+            self._buffer = grown
+        self._buffer[start:end - 1] = output
+        self._buffer[end - 1] = SEPARATOR
+        self.tokens = self._buffer[:end]
+        for position, token in enumerate(output, start):
+            self._open_positions.setdefault(token, []).append(position)
         self.num_outputs += 1
-        self.tokens = np.array(self.open_tokens, dtype=np.int64)
 
     def seal(self) -> None:
         """Index the full segment: its positions in the order of their tokens."""
-        self.open_tokens = []
+        self.tokens = self.tokens.copy()  # (the spare capacity goes)
+        self._buffer = self.tokens
+        self._open_positions = None
         self._order = np.argsort(self.tokens, kind="stable")
         self._sorted = self.tokens[self._order]
 
     def occurrences(self, token: int) -> np.ndarray:
-        if self._order is None or self._sorted is None:
-            return np.flatnonzero(self.tokens == token)
+        if self._open_positions is not None:
+            return np.array(self._open_positions.get(token, ()), dtype=np.int64)
+        assert self._order is not None and self._sorted is not None
         lo, hi = np.searchsorted(self._sorted, [token, token + 1])
         return self._order[lo:hi]
 
