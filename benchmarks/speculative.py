@@ -5,6 +5,7 @@ and the mean acceptance length with speculation (ngram, or --method suffix, or -
 to match: speculation's cost).
 
     python -m benchmarks.speculative [--model SMOLLM2_GGUF_OR_DIR] [--num-speculative-tokens 4] [--runs 3]
+    python -m benchmarks.speculative --method suffix          # drafts up to the tree depth (24), as vLLM
     python -m benchmarks.speculative --hf-dir /tmp/smollm2             # the GGUF as a bf16 directory, run there
     python -m benchmarks.speculative --backend vllm --model /tmp/smollm2  # vLLM's ngram on that directory
 
