@@ -44,11 +44,13 @@ class StepFields(Generic[T]):
     num_shared_prefix_blocks: T
 
     def items(self) -> Iterator[tuple[str, T]]:
-        return ((field.name, getattr(self, field.name)) for field in dataclasses.fields(self))
+        return ((name, getattr(self, name)) for name in _FIELD_NAMES)
 
     def map(self, fn: Callable[[T], U]) -> "StepFields[U]":
         return StepFields(**{name: fn(value) for name, value in self.items()})
 
+
+_FIELD_NAMES = tuple(field.name for field in dataclasses.fields(StepFields))
 
 FieldSpec = tuple[tuple[int, ...], torch.dtype]  # a field's (shape, dtype) at its largest
 
@@ -156,6 +158,9 @@ class InputBuffers:
         self.device: StepFields[torch.Tensor] = (
             _views(self._device_bytes, specs, self._offsets) if self._device_bytes is not None
             else self._host_sets[0])
+        # The last upload's row counts per field, its device slices and the bytes it copied:
+        # steady steps use the same rows again.
+        self._last_upload: tuple[tuple[int, ...], StepFields[torch.Tensor], int] = ((), self.device, 0)
 
     def next_host(self) -> HostSet:
         """Switch to the other host set (once its last copies are done)."""
@@ -169,16 +174,22 @@ class InputBuffers:
         """Copy each field's first len(used.<field>) rows (whole rows) of the current host set
         to the device, in one copy; returns those device slices. Then mark the host set busy
         until the copy has run."""
-        slices, end = {}, 0
-        for name, array in used.items():
-            dst = getattr(self.device, name)[:len(array)]
-            if len(array):
-                end = max(end, getattr(self._offsets, name) + dst.numel() * dst.element_size())
-            slices[name] = dst
+        lengths = tuple(len(array) for _, array in used.items())
+        if lengths == self._last_upload[0]:
+            _, device_slices, end = self._last_upload
+        else:
+            slices, end = {}, 0
+            for name, length in zip(_FIELD_NAMES, lengths):
+                dst = getattr(self.device, name)[:length]
+                if length:
+                    end = max(end, getattr(self._offsets, name) + dst.numel() * dst.element_size())
+                slices[name] = dst
+            device_slices = StepFields(**slices)
+            self._last_upload = (lengths, device_slices, end)
         if self._device_bytes is not None:  # on a GPU
             if end:
                 self._device_bytes[:end].copy_(self._host_bytes[self._current][:end], non_blocking=True)
             event = torch.cuda.Event()
             event.record()
             self._copied[self._current] = event
-        return StepFields(**slices)
+        return device_slices
