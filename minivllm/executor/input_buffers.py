@@ -112,6 +112,24 @@ class HostSet:
 
     arrays: StepFields[np.ndarray]  # numpy views of the pinned tensors
     block_tables: BlockTableRows  # writes arrays.block_tables
+    # The rows of each field the last step used (used_rows' counts, and the views).
+    _used: tuple[tuple[int, ...], StepFields[np.ndarray]] | None = None
+
+    def used_rows(self, tokens: int, seqs: int, width: int, logits: int, pending: int,
+                  shared: int) -> StepFields[np.ndarray]:
+        """The rows a step uses of each field (views): its tokens' and its sequences' (block
+        tables width entries wide), its sampled positions, pending tokens, and shared-prefix
+        count (0 or 1). Those of the last step again where it used as many (a steady batch)."""
+        counts = (tokens, seqs, width, logits, pending, shared)
+        if self._used is None or self._used[0] != counts:
+            buf = self.arrays
+            self._used = (counts, StepFields(
+                input_ids=buf.input_ids[:tokens], positions=buf.positions[:tokens],
+                slot_mapping=buf.slot_mapping[:tokens], query_start_loc=buf.query_start_loc[:seqs + 1],
+                seq_lens=buf.seq_lens[:seqs], block_tables=buf.block_tables[:seqs, :width],
+                logits_indices=buf.logits_indices[:logits], pending_dst=buf.pending_dst[:pending],
+                pending_src=buf.pending_src[:pending], num_shared_prefix_blocks=buf.num_shared_prefix_blocks[:shared]))
+        return self._used[1]
 
 
 # Field offsets in the shared byte buffer are multiples of this (any dtype's alignment, and

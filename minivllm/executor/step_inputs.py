@@ -131,15 +131,9 @@ def prepare_step_inputs(rows: StepRows, host: HostSet, block_size: int,
                                                        if num_tokens == num_seqs else num_tokens)
     # Rank 0 uploads whole block-table rows; the other ranks get only the columns in use
     # (the rest are zeros), which keeps long-context messages small.
-    arrays = StepFields(
-        input_ids=buf.input_ids[:used_tokens], positions=buf.positions[:used_tokens],
-        slot_mapping=buf.slot_mapping[:used_tokens], query_start_loc=query_start_loc[:used_rows + 1],
-        seq_lens=buf.seq_lens[:used_rows], block_tables=block_tables[:used_rows, :width],
-        logits_indices=buf.logits_indices[:len(logits_indices)], pending_dst=buf.pending_dst[:num_pending],
-        pending_src=buf.pending_src[:num_pending],
-        num_shared_prefix_blocks=buf.num_shared_prefix_blocks[:1 if shared_blocks else 0])
     return StepInputs(
-        arrays=arrays,
+        arrays=host.used_rows(used_tokens, used_rows, width, len(logits_indices), num_pending,
+                              1 if shared_blocks else 0),
         max_query_len=int(num_new.max()),
         max_seq_len=int(seq_lens.max()),
         num_decodes=num_decodes,
