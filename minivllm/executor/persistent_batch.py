@@ -110,8 +110,8 @@ class StepRows:
     query_start_loc: np.ndarray
     token_rows: np.ndarray
     token_offsets: np.ndarray
-    # Speculative decoding: each row's draft tokens (the last of its new tokens; int64, 0 for
-    # most). The rows that have any sample at each of their positions from their last known
+    # Speculative decoding: how many of each row's new tokens are draft tokens, its last (int64,
+    # 0 for most). The rows that have any sample at each of their positions from their last known
     # token on: the step's sampled logits are the sampled rows' positions, in the scheduler's
     # order (logits_indices: their tokens in the step), each row's first at first_position.
     num_drafts: np.ndarray
