@@ -111,6 +111,10 @@ class IncrementalDetokenizer:
         self._pending.clear()
 
     @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stop)
+
+    @property
     def output_text(self) -> str:
         """All text so far (truncated at a stop string once one is found). Unlike streamed
         deltas, this includes a stop string that may still be forming."""

@@ -322,15 +322,19 @@ class LLMEngine:
         read back (their masks depend on those tokens): its forward pass is queued, and its
         sampling waits for the next call, which queues it with the next step's forward pass
         right behind, prepared beforehand; both run while the host reads this step back.
+
+        A step that needs the last one's tokens (_needs_known_tokens) reads it back first, but
+        builds its outputs only once it is launched itself, while the device runs it.
         """
         outputs: list[RequestOutput] = []
         if self.structured_outputs.has_compiling:
             outputs += self._admit_compiled()
+        read_back: dict[str, Request] = {}
         if self.has_steps_in_flight and self._needs_known_tokens():
             if self.awaiting_masks is not None:
                 self.in_flight = self._launch_masked_sampling()
             assert self.in_flight is not None
-            outputs += self._finish_step(self.in_flight)
+            read_back = self._read_back(self.in_flight)
             self.in_flight = None
         if self.failure is not None:
             raise RuntimeError("The engine failed in an earlier step; start a new one.") from self.failure
@@ -362,8 +366,10 @@ class LLMEngine:
                                                               for drafts in scheduled.draft_token_ids.values())
         self.num_decode_tokens += num_decodes
         self.num_prefill_tokens += sum(scheduled.num_new_tokens) - num_decodes
+        if read_back:
+            outputs += self._outputs(read_back)
         if self.in_flight is not None:
-            outputs += self._finish_step(self.in_flight)
+            outputs += self._outputs(self._read_back(self.in_flight))
         self.in_flight = launched
         return outputs
 
@@ -419,7 +425,11 @@ class LLMEngine:
             seq.params.has_penalties or 0 < seq.num_output_tokens <= seq.params.min_tokens
             or (seq.num_output_tokens > 0 and seq.params.has_bad_word_prefixes)) for seq in self.scheduler.running)
 
-    def _finish_step(self, handle: StepHandle) -> list[RequestOutput]:
+    def _read_back(self, handle: StepHandle) -> dict[str, Request]:
+        """Read a launched step back: its tokens join their sequences, which stop where one
+        ends them, drafts settle and new ones are proposed; finished requests are dropped.
+        What the next step's scheduling needs; returns the requests with outputs due
+        (finished, or streams that advanced), for _outputs."""
         advanced: dict[str, Request] = {}
         now = time.time()
         sampled = self.model_runner.collect(handle)
@@ -462,18 +472,20 @@ class LLMEngine:
                 advanced[request.request_id] = request
         if grown:
             self.scheduler.propose(grown)
-        finished = [request for request in advanced.values() if request.finished]
-        final_texts = self._final_texts([(request, seq) for request in finished for seq in request.seqs
-                                         if request.detokenizers[seq.index] is None])
-        outputs = []
         for request in advanced.values():
             if request.finished:
                 request.metrics.finished_time = now
                 self._forget(request)
-            elif not request.stream or request.awaits_prompt_logprobs:  # a stream's first output carries them
-                continue
-            outputs.append(self._make_output(request, final_texts))
-        return outputs
+        return advanced
+
+    def _outputs(self, advanced: dict[str, Request]) -> list[RequestOutput]:
+        """The outputs of the requests a step read back advanced (_read_back)."""
+        finished = [request for request in advanced.values() if request.finished]
+        final_texts = self._final_texts([(request, seq) for request in finished for seq in request.seqs
+                                         if request.detokenizers[seq.index] is None])
+        return [self._make_output(request, final_texts) for request in advanced.values()
+                # (A stream's first output carries its prompt logprobs.)
+                if request.finished or (request.stream and not request.awaits_prompt_logprobs)]
 
     def _count_accepted(self, num_drafts: int, num_accepted: int) -> None:
         """Count a row that verified num_drafts draft tokens and accepted the first num_accepted."""
@@ -497,7 +509,7 @@ class LLMEngine:
         elif seq.length_limit_reached(self.config.max_model_len, num_known):
             finish_reason = "length"
         detokenizer = request.detokenizers[seq.index]
-        if detokenizer is not None:
+        if detokenizer is not None and detokenizer.has_stop_strings:  # (others catch up in _make_output)
             # A stop token's own text is left out unless asked for, as in vLLM.
             stop_string = detokenizer.update([token], stop_terminated=finish_reason == "stop")
             if stop_string is not None:
@@ -528,6 +540,7 @@ class LLMEngine:
             if request.stream:
                 request.num_sent_tokens[seq.index] = len(seq.output_token_ids)  # known tokens only
             if detokenizer is not None:
+                self._detokenize(seq, detokenizer)
                 text = detokenizer.get_next_output_text(seq.is_finished, request.stream)
             else:
                 text = final_texts[seq.seq_id]
@@ -544,6 +557,18 @@ class LLMEngine:
             request.prompt_logprobs_sent = True
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              request.finished, request.metrics, request.seqs[0].num_cached_tokens, prompt_logprobs)
+
+    @staticmethod
+    def _detokenize(seq: Sequence, detokenizer: IncrementalDetokenizer) -> None:
+        """Feed seq's detokenizer the tokens it lacks, one at a time as _check_stop would (a
+        detokenizer without stop strings only makes text for outputs: it is fed here, once
+        the next step is launched)."""
+        params = seq.params
+        num_outputs = detokenizer.num_output_tokens
+        for token in seq.token_ids[seq.num_prompt_tokens + num_outputs:]:
+            num_outputs += 1
+            detokenizer.update([token], stop_terminated=token in params.all_stop_token_ids
+                               and num_outputs >= params.min_tokens)
 
     def _prompt_logprobs(self, request: Request) -> PromptLogprobs:
         """As vLLM's RequestOutput.prompt_logprobs: None for the first prompt token (nothing

@@ -27,6 +27,8 @@ from minivllm.engine.token_arrays import TokenArrays
 # (its tokens sorted), so that finding a token's occurrences in it is a binary search.
 SEGMENT_TOKENS = 1 << 16
 SEPARATOR = -1  # between two outputs in a segment: no pattern or continuation crosses it
+# Token comparisons per step of a pattern's match (occurrences times pattern tokens).
+MATCH_COMPARISONS = 4096
 
 # Occurrences of a pattern: (tokens, positions where an occurrence ends), over one or more arrays.
 Occurrences = list[tuple[np.ndarray, np.ndarray]]
@@ -47,40 +49,58 @@ def suffix_draft(occurrences: Occurrences, pattern: np.ndarray, max_tokens: int,
     array's end or before a separator count as continuing nowhere)."""
     occurrences = [(tokens, ends) for tokens, ends in occurrences if len(ends)]
     matched = 1 if occurrences else 0
+    # Narrowed a stretch of the pattern at a time, as long as MATCH_COMPARISONS allows for the
+    # occurrences left: one step for a long match among few occurrences, and no large
+    # comparison among many (the first tokens narrow them fast).
     while occurrences and matched < len(pattern):
-        want = pattern[-1 - matched]
-        narrowed = []
+        stretch = max(MATCH_COMPARISONS // sum(len(ends) for _, ends in occurrences), 1)
+        back = np.arange(matched, min(matched + stretch, len(pattern)))  # distances before the ends
+        want = pattern[len(pattern) - 1 - back]
+        runs = []  # per occurrence, how many tokens of the stretch it matches
         for tokens, ends in occurrences:
-            ends = ends[ends >= matched]
-            ends = ends[tokens[ends - matched] == want]
-            if len(ends):
-                narrowed.append((tokens, ends))
-        if not narrowed:
+            starts = ends[:, None] - back
+            equal = (starts >= 0) & (tokens[np.maximum(starts, 0)] == want)
+            runs.append(np.where(equal.all(axis=1), len(back), equal.argmin(axis=1)))
+        longest = max(int(run.max()) for run in runs)
+        if not longest:
             break
-        occurrences = narrowed
-        matched += 1
+        occurrences = [(tokens, ends[run == longest]) for (tokens, ends), run in zip(occurrences, runs)]
+        occurrences = [(tokens, ends) for tokens, ends in occurrences if len(ends)]
+        matched += longest
+        if longest < len(back):
+            break
     budget = min(max_tokens, math.ceil(matched * max_spec_factor - 1e-9))
     draft: list[int] = []
     score, prob = 0.0, 1.0
-    nexts = [(tokens, ends + 1) for tokens, ends in occurrences]
-    while len(draft) < budget and nexts:
-        total = sum(len(positions) for _, positions in nexts)
-        following = [(tokens, positions[positions < len(tokens)]) for tokens, positions in nexts]
-        candidates = np.concatenate([tokens[positions] for tokens, positions in following])
-        candidates = candidates[candidates != SEPARATOR]
+    if budget <= 0:
+        return Draft(draft, score)
+    # Per occurrence, the budget's tokens after it (SEPARATOR past its array's end); the rows
+    # still followed are those whose tokens so far are the draft's.
+    following = np.concatenate([_tokens_after(tokens, ends, budget) for tokens, ends in occurrences])
+    for column in range(budget):
+        next_tokens = following[:, column]
+        candidates = next_tokens[next_tokens != SEPARATOR]
         if not len(candidates):
             break
-        values, counts = np.unique(candidates, return_counts=True)
-        best = int(counts.argmax())
-        prob *= counts[best] / total
+        if (candidates == candidates[0]).all():  # (often, past a long match: no counting)
+            token, count = int(candidates[0]), len(candidates)
+        else:
+            values, counts = np.unique(candidates, return_counts=True)
+            best = int(counts.argmax())
+            token, count = int(values[best]), int(counts[best])
+        prob *= count / len(next_tokens)
         if prob < min_token_prob:
             break
-        token = int(values[best])
         draft.append(token)
         score += prob
-        nexts = [(tokens, positions[tokens[positions] == token] + 1) for tokens, positions in following]
-        nexts = [(tokens, positions) for tokens, positions in nexts if len(positions)]
+        following = following[next_tokens == token]
     return Draft(draft, score)
+
+
+def _tokens_after(tokens: np.ndarray, ends: np.ndarray, count: int) -> np.ndarray:
+    """[len(ends), count]: the count tokens after each end, SEPARATOR past the array's end."""
+    at = ends[:, None] + np.arange(1, count + 1)
+    return np.where(at < len(tokens), tokens[np.minimum(at, len(tokens) - 1)], SEPARATOR)
 
 
 class _Segment:

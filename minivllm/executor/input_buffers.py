@@ -44,11 +44,13 @@ class StepFields(Generic[T]):
     num_shared_prefix_blocks: T
 
     def items(self) -> Iterator[tuple[str, T]]:
-        return ((field.name, getattr(self, field.name)) for field in dataclasses.fields(self))
+        return ((name, getattr(self, name)) for name in _FIELD_NAMES)
 
     def map(self, fn: Callable[[T], U]) -> "StepFields[U]":
         return StepFields(**{name: fn(value) for name, value in self.items()})
 
+
+_FIELD_NAMES = tuple(field.name for field in dataclasses.fields(StepFields))
 
 FieldSpec = tuple[tuple[int, ...], torch.dtype]  # a field's (shape, dtype) at its largest
 
@@ -110,6 +112,24 @@ class HostSet:
 
     arrays: StepFields[np.ndarray]  # numpy views of the pinned tensors
     block_tables: BlockTableRows  # writes arrays.block_tables
+    # The rows of each field the last step used (used_rows' counts, and the views).
+    _used: tuple[tuple[int, ...], StepFields[np.ndarray]] | None = None
+
+    def used_rows(self, tokens: int, seqs: int, width: int, logits: int, pending: int,
+                  shared: int) -> StepFields[np.ndarray]:
+        """The rows a step uses of each field (views): its tokens' and its sequences' (block
+        tables width entries wide), its sampled positions, pending tokens, and shared-prefix
+        count (0 or 1). Those of the last step again where it used as many (a steady batch)."""
+        counts = (tokens, seqs, width, logits, pending, shared)
+        if self._used is None or self._used[0] != counts:
+            buf = self.arrays
+            self._used = (counts, StepFields(
+                input_ids=buf.input_ids[:tokens], positions=buf.positions[:tokens],
+                slot_mapping=buf.slot_mapping[:tokens], query_start_loc=buf.query_start_loc[:seqs + 1],
+                seq_lens=buf.seq_lens[:seqs], block_tables=buf.block_tables[:seqs, :width],
+                logits_indices=buf.logits_indices[:logits], pending_dst=buf.pending_dst[:pending],
+                pending_src=buf.pending_src[:pending], num_shared_prefix_blocks=buf.num_shared_prefix_blocks[:shared]))
+        return self._used[1]
 
 
 # Field offsets in the shared byte buffer are multiples of this (any dtype's alignment, and
@@ -156,6 +176,9 @@ class InputBuffers:
         self.device: StepFields[torch.Tensor] = (
             _views(self._device_bytes, specs, self._offsets) if self._device_bytes is not None
             else self._host_sets[0])
+        # The last upload's row counts per field, its device slices and the bytes it copied:
+        # steady steps use the same rows again.
+        self._last_upload: tuple[tuple[int, ...], StepFields[torch.Tensor], int] = ((), self.device, 0)
 
     def next_host(self) -> HostSet:
         """Switch to the other host set (once its last copies are done)."""
@@ -169,16 +192,22 @@ class InputBuffers:
         """Copy each field's first len(used.<field>) rows (whole rows) of the current host set
         to the device, in one copy; returns those device slices. Then mark the host set busy
         until the copy has run."""
-        slices, end = {}, 0
-        for name, array in used.items():
-            dst = getattr(self.device, name)[:len(array)]
-            if len(array):
-                end = max(end, getattr(self._offsets, name) + dst.numel() * dst.element_size())
-            slices[name] = dst
+        lengths = tuple(len(array) for _, array in used.items())
+        if lengths == self._last_upload[0]:
+            _, device_slices, end = self._last_upload
+        else:
+            slices, end = {}, 0
+            for name, length in zip(_FIELD_NAMES, lengths):
+                dst = getattr(self.device, name)[:length]
+                if length:
+                    end = max(end, getattr(self._offsets, name) + dst.numel() * dst.element_size())
+                slices[name] = dst
+            device_slices = StepFields(**slices)
+            self._last_upload = (lengths, device_slices, end)
         if self._device_bytes is not None:  # on a GPU
             if end:
                 self._device_bytes[:end].copy_(self._host_bytes[self._current][:end], non_blocking=True)
             event = torch.cuda.Event()
             event.record()
             self._copied[self._current] = event
-        return StepFields(**slices)
+        return device_slices

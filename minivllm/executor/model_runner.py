@@ -45,6 +45,9 @@ if TYPE_CHECKING:  # imports Triton: the torch path must not
 logger = logging.getLogger(__name__)
 
 
+# Sampling metadata kept per batch of sampled sequences: one per pattern of draft counts.
+MAX_CACHED_SAMPLING_PATTERNS = 16
+
 # Token id -> (logprob, rank) for the sampled (or prompt) token and the top-k at one position.
 TokenLogprobs = dict[int, tuple[float, int]]
 # Host copies of gather_logprobs' results for some positions: token ids [P, 1 + k] (the chosen
@@ -73,13 +76,12 @@ class StepHandle:
 @dataclass(frozen=True, slots=True)
 class ForwardPass:
     """A step whose forward pass is queued (launch_forward), with rows that sample or prompt
-    logprobs: its rows (and their sampled positions, PreparedStep's), the sampled positions'
+    logprobs: its rows (and their draft tokens, PreparedStep's), the sampled positions'
     logits on the device in the scheduler's order (None when no row samples), and the prompt
     logprobs it computes (StepHandle's)."""
 
     rows: StepRows
     drafts: list[list[int]]
-    first_position: np.ndarray
     logits: torch.Tensor | None
     prompt_logprobs: PromptLogprobRows | None
     prompt_host: list[LogprobTensors]
@@ -88,12 +90,11 @@ class ForwardPass:
 @dataclass(frozen=True, slots=True)
 class PreparedStep:
     """A step whose inputs are written on the host (prepare_forward), not yet queued; with each
-    sampled row's draft tokens and first position among the sampled logits (_sample_positions)."""
+    sampled row's draft tokens (StepRows.drafts)."""
 
     rows: StepRows
     inputs: StepInputs
     drafts: list[list[int]]
-    first_position: np.ndarray
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,8 +171,9 @@ class ModelRunner:
         self._sampled_host = [torch.zeros(self.max_sampled_rows, dtype=torch.int64,
                                           pin_memory=self.device.type == "cuda") for _ in range(2)]
         self._token_buffer = 0
-        # The last step's sampled sequences (ids) and their metadata, while it can be reused.
-        self._sampling_cache: tuple[list[int], SamplingMetadata] | None = None
+        # The last step's sampled sequences (ids) and their metadata while it can be reused, per
+        # pattern of draft tokens (each row's count; () for a step without any).
+        self._sampling_cache: tuple[list[int], dict[tuple[int, ...], SamplingMetadata]] = ([], {})
         self.graphs: StepGraphs | None = None
         if self.device.type == "cuda":
             self._compile_and_capture()
@@ -338,7 +340,8 @@ class ModelRunner:
         if len(dev.pending_dst):
             # Only rank 0 samples, so only it has the pending tokens; other ranks take its input ids.
             if tp_rank() == 0:
-                inputs.input_ids[dev.pending_dst] = self.last_sampled[dev.pending_src]
+                # (index_copy_ and index_select: cheaper to launch than indexing's general path)
+                inputs.input_ids.index_copy_(0, dev.pending_dst, self.last_sampled.index_select(0, dev.pending_src))
             broadcast_from_rank0(inputs.input_ids)
         return inputs
 
@@ -406,15 +409,15 @@ class ModelRunner:
         graph = (self.graphs.padded_shape(rows.num_tokens, len(rows.states), rows.num_decodes)
                  if self.graphs else None)
         step = self.prepare_inputs(rows, graph, self.batch.prompt_logprob_rows(rows))
-        drafts, first_position = _sample_positions(rows)
+        drafts = rows.drafts()
         if rows.sampled_ids:
             # The next step's pending tokens are this one's (launch_sampling puts them on the
             # device), at each row's first sampled position; never a row's that verified drafts:
             # the engine reads such a step back before it schedules the next.
             self.last_sampled_rows = (rows.sampled_row_of if not drafts else
                                       {seq_id: int(first) for seq_id, first, row_drafts
-                                       in zip(rows.sampled_ids, first_position, drafts) if not row_drafts})
-        return PreparedStep(rows, step, drafts, first_position)
+                                       in zip(rows.sampled_ids, rows.first_position, drafts) if not row_drafts})
+        return PreparedStep(rows, step, drafts)
 
     @torch.inference_mode()
     def launch_forward(self, prepared: PreparedStep) -> ForwardPass | None:
@@ -427,7 +430,7 @@ class ModelRunner:
         logits, prompt_host = self.execute_model(step)
         if not prepared.rows.sampled_ids and step.prompt_logprobs is None:
             return None
-        return ForwardPass(prepared.rows, prepared.drafts, prepared.first_position, logits, step.prompt_logprobs,
+        return ForwardPass(prepared.rows, prepared.drafts, logits, step.prompt_logprobs,
                            prompt_host)
 
     @torch.inference_mode()
@@ -449,7 +452,7 @@ class ModelRunner:
             if grammar is not None:
                 # (Every position a guided one: no index to copy and gather by.)
                 apply_token_bitmask(logits, grammar.bitmask, None if len(grammar.rows) == len(logits) else grammar.rows)
-            sampled = self.sampler(logits, self._sampling_metadata(rows, drafts, forward.first_position))
+            sampled = self.sampler(logits, self._sampling_metadata(rows, drafts))
             # The next step reads these on the device, for sequences whose token is still pending
             # (at the positions prepare_forward noted).
             self.last_sampled = sampled.sampled_token_ids
@@ -503,28 +506,31 @@ class ModelRunner:
         num_drafts = [len(drafts) for drafts in handle.drafts] if handle.drafts else [0] * len(token_ids)
         return SampledTokens(handle.seq_ids, token_ids, logprobs, num_drafts, prompt_logprobs)
 
-    def _sampling_metadata(self, rows: StepRows, drafts: list[list[int]], first_position: np.ndarray
-                           ) -> SamplingMetadata:
+    def _sampling_metadata(self, rows: StepRows, drafts: list[list[int]]) -> SamplingMetadata:
         """The sampling parameters of the sampled rows, on the device (drafts: each one's draft
         tokens, or [] for a step without any: then a row per sampled row, else one per position
-        that samples, each row's first at first_position). A step without drafts that samples
-        the same sequences as the last one, in the same order (a steady decode batch), reuses
-        its metadata: a sequence's parameters never change, and what depends on its outputs
-        (SamplingMetadata.reads_outputs) makes the metadata one step's only. Seeded rows get
-        their keys for the output positions they sample."""
-        if drafts:
+        that samples, each row's first at rows.first_position). A step that samples the same
+        sequences as an earlier one, in the same order (a steady decode batch), with as
+        many drafts per row, reuses its metadata: a sequence's parameters never change, and what
+        depends on its outputs (SamplingMetadata.reads_outputs) makes the metadata one step's
+        only. Seeded rows get their keys for the output positions they sample."""
+        pattern = tuple(map(len, drafts))
+        cached_ids, cache = self._sampling_cache
+        if cached_ids != rows.sampled_ids:
+            cache = {}
+            self._sampling_cache = (rows.sampled_ids, cache)
+        meta = cache.get(pattern)
+        if meta is None:
             meta = SamplingMetadata.build([row for state, row_drafts in zip(rows.sampled, drafts)
-                                           for row in state.draft_sampling_rows(row_drafts)],
-                                          self.vocab_size, self.device)
-        elif self._sampling_cache is not None and self._sampling_cache[0] == rows.sampled_ids:
-            meta = self._sampling_cache[1]
-        else:
-            meta = SamplingMetadata.build([state.sampling_row() for state in rows.sampled], self.vocab_size,
+                                           for row in state.draft_sampling_rows(row_drafts)] if drafts else
+                                          [state.sampling_row() for state in rows.sampled], self.vocab_size,
                                           self.device)
-            self._sampling_cache = None if meta.reads_outputs else (rows.sampled_ids, meta)
+            # (A few patterns per batch: with k drafts, a row has 0..k.)
+            if not meta.reads_outputs and len(cache) < MAX_CACHED_SAMPLING_PATTERNS:
+                cache[pattern] = meta
         if meta.seeded is None:
             return meta
-        return meta.at_output_positions(_output_positions(rows, drafts, first_position))
+        return meta.at_output_positions(_output_positions(rows, drafts))
 
 
 def _build_model(config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
@@ -548,8 +554,8 @@ def model_footprint(config: EngineConfig) -> tuple[int, int]:
                                             config.block_size)
 
 
-def _output_positions(rows: StepRows, drafts: list[list[int]], first_position: np.ndarray) -> np.ndarray:
-    """Per position the step samples (_sample_positions'), the index among its sequence's
+def _output_positions(rows: StepRows, drafts: list[list[int]]) -> np.ndarray:
+    """Per position the step samples (StepRows.logits_indices), the index among its sequence's
     outputs of the token it samples: a row's last input precedes its last sampled token (a row
     with drafts samples at its last known token and at each draft)."""
     num_prompt_tokens = np.array([state.num_prompt_tokens for state in rows.sampled], dtype=np.int64)
@@ -558,18 +564,7 @@ def _output_positions(rows: StepRows, drafts: list[list[int]], first_position: n
         return last
     # The row starting at first_position[r] samples last[r] - d_r, ..., last[r] (d_r drafts).
     per_row = np.array([len(row_drafts) + 1 for row_drafts in drafts], dtype=np.int64)
-    return np.repeat(last - per_row + 1 - first_position, per_row) + np.arange(int(per_row.sum()))
-
-
-def _sample_positions(rows: StepRows) -> tuple[list[list[int]], np.ndarray]:
-    """Each sampled row's draft tokens (none at all where the step has none) and its first
-    position among the step's sampled logits: a row with d drafts samples 1 + d positions."""
-    step_drafts = rows.out.draft_token_ids
-    drafts = [step_drafts.get(seq_id, []) for seq_id in rows.sampled_ids] if step_drafts else []
-    first_position = np.arange(len(rows.sampled_ids))
-    if drafts:
-        first_position += np.cumsum([0, *map(len, drafts[:-1])])
-    return drafts, first_position
+    return np.repeat(last - per_row + 1 - rows.first_position, per_row) + np.arange(int(per_row.sum()))
 
 
 def _token_logprobs(ids: list[int], values: list[float], chosen_rank: int, k: int) -> TokenLogprobs:

@@ -105,10 +105,22 @@ class StepRows:
     sampled_ids: list[int]
     sampled: list[SequenceState]
     sampled_row_of: dict[int, int]
+    # Where the rows' tokens sit in the step (int64): each row's first token and the end
+    # (cu_seqlens), and each token's row and its place in the row.
+    query_start_loc: np.ndarray
+    token_rows: np.ndarray
+    token_offsets: np.ndarray
+    # Speculative decoding: how many of each row's new tokens are draft tokens, its last (int64,
+    # 0 for most). The rows that have any sample at each of their positions from their last known
+    # token on: the step's sampled logits are the sampled rows' positions, in the scheduler's
+    # order (logits_indices: their tokens in the step), each row's first at first_position.
+    num_drafts: np.ndarray
+    logits_indices: np.ndarray
+    first_position: np.ndarray
 
     @property
     def num_tokens(self) -> int:
-        return int(self.num_new_tokens.sum())
+        return len(self.token_rows)
 
     @classmethod
     def order(cls, states: list[SequenceState], out: SchedulerOutput) -> "StepRows":
@@ -119,29 +131,61 @@ class StepRows:
         decodes = np.flatnonzero(one_token)
         decodes = decodes[np.argsort(-computed[decodes], kind="stable")]  # ties keep their order
         order = np.concatenate((decodes, np.flatnonzero(~one_token)))
+        num_rows = len(order)
         row_of = np.empty_like(order)
-        row_of[order] = np.arange(len(order))
+        row_of[order] = np.arange(num_rows)
         samples = out.samples
         sampled_ids = list(compress(out.seq_ids, samples))
-        return cls(out=out, source_rows=order, states=[states[i] for i in order.tolist()],
-                   num_new_tokens=num_new[order], num_computed_tokens=computed[order], num_decodes=len(decodes),
-                   sample_rows=row_of[np.array(samples, dtype=bool)], sampled_ids=sampled_ids,
-                   sampled=list(compress(states, samples)),
-                   sampled_row_of=dict(zip(sampled_ids, range(len(sampled_ids)))))
+        ordered_states = [states[i] for i in order.tolist()]
+        num_new = num_new[order]
+        sample_rows = row_of[np.array(samples, dtype=bool)]
+        query_start_loc = np.zeros(num_rows + 1, dtype=np.int64)
+        np.cumsum(num_new, out=query_start_loc[1:])
+        token_rows = np.repeat(np.arange(num_rows), num_new)
+        if out.draft_token_ids:
+            num_drafts = np.array([len(out.draft_token_ids.get(state.seq_id, ())) for state in ordered_states],
+                                  dtype=np.int64)
+            per_row = num_drafts[sample_rows] + 1  # positions sampled per sampled row
+            first_position = np.cumsum(per_row) - per_row
+            logits_indices = (np.repeat(query_start_loc[sample_rows + 1] - per_row - first_position, per_row)
+                              + np.arange(int(per_row.sum())))
+        else:
+            num_drafts = np.zeros(num_rows, dtype=np.int64)
+            first_position = np.arange(len(sample_rows))
+            logits_indices = query_start_loc[sample_rows + 1] - 1
+        return cls(out=out, source_rows=order, states=ordered_states, num_new_tokens=num_new,
+                   num_computed_tokens=computed[order], num_decodes=len(decodes), sample_rows=sample_rows,
+                   sampled_ids=sampled_ids, sampled=list(compress(states, samples)),
+                   sampled_row_of=dict(zip(sampled_ids, range(len(sampled_ids)))),
+                   query_start_loc=query_start_loc, token_rows=token_rows,
+                   token_offsets=np.arange(len(token_rows)) - query_start_loc[token_rows], num_drafts=num_drafts,
+                   logits_indices=logits_indices, first_position=first_position)
 
     def same_rows(self, out: SchedulerOutput) -> bool:
-        """Whether `out` has this step's rows, in the same order, as many new tokens each and
-        sampling the same ones: a steady batch, whose order holds (each context grew by its
-        row's new tokens, one for each decode, so the decodes keep their order by length)."""
+        """Whether `out` has this step's rows, in the same order, as many new tokens each (as
+        many of them drafts) and sampling the same ones: a steady batch, whose order holds
+        (each context grew by its row's new tokens, one for each decode, so the decodes keep
+        their order by length)."""
         last = self.out
         return (out.seq_ids == last.seq_ids and out.num_new_tokens == last.num_new_tokens
-                and out.samples == last.samples)
+                and out.samples == last.samples and _draft_counts(out) == _draft_counts(last))
+
+    def drafts(self) -> list[list[int]]:
+        """Each sampled row's draft tokens, in the scheduler's order; [] for a step without any."""
+        step_drafts = self.out.draft_token_ids
+        return [step_drafts.get(seq_id, []) for seq_id in self.sampled_ids] if step_drafts else []
 
     def next_step(self, out: SchedulerOutput) -> "StepRows":
         """The rows of `out`, a step of the same rows (same_rows): only their computed counts
         change."""
         computed = np.array(out.num_computed_tokens, dtype=np.int64)
         return replace(self, out=out, num_computed_tokens=computed[self.source_rows])
+
+
+def _draft_counts(out: SchedulerOutput) -> tuple[list[int], list[int]]:
+    """The rows that have draft tokens (ids, in the scheduler's order) and how many each."""
+    drafts = out.draft_token_ids
+    return list(drafts), list(map(len, drafts.values()))
 
 
 class PersistentBatch:

@@ -74,49 +74,44 @@ def prepare_step_inputs(rows: StepRows, host: HostSet, block_size: int,
     num_new, computed = rows.num_new_tokens, rows.num_computed_tokens
     seq_lens = computed + num_new
     query_start_loc = buf.query_start_loc
-    query_start_loc[0] = 0
-    np.cumsum(num_new, out=query_start_loc[1:num_seqs + 1])
-    num_tokens = int(query_start_loc[num_seqs])
+    query_start_loc[:num_seqs + 1] = rows.query_start_loc
+    num_tokens = rows.num_tokens
     # Position of every new token: its sequence's computed count plus its offset in the chunk.
-    row_of_token = np.repeat(np.arange(num_seqs), num_new)
-    positions = computed[row_of_token] + np.arange(num_tokens) - query_start_loc[row_of_token]
+    token_rows = rows.token_rows
+    positions = computed[token_rows] + rows.token_offsets
     buf.positions[:num_tokens] = positions
     # A sequence's inputs are its tokens computed .. seq_len, its draft tokens last (if any).
     # The known ones are copied for the rows that have any (prompt chunks); the last input
     # before the drafts may still be pending (a decode's one input, usually): written as 0, the
     # upload copies it from the step in flight's output.
     drafts = rows.out.draft_token_ids
-    num_drafts = np.zeros(num_seqs, dtype=np.int64)
-    if drafts:
-        num_drafts[:] = [len(drafts.get(state.seq_id, ())) for state in states]
+    num_drafts = rows.num_drafts
     inputs_end = seq_lens - num_drafts
     known_end = np.minimum(inputs_end, [len(state.token_ids) for state in states])
     input_ids = buf.input_ids
     for i in np.flatnonzero(known_end > computed).tolist():
         start, end, dst = int(computed[i]), int(known_end[i]), int(query_start_loc[i])
         input_ids[dst:dst + end - start] = states[i].token_ids[start:end]
-    for i in np.flatnonzero(num_drafts).tolist():
-        end = int(query_start_loc[i + 1])
-        input_ids[end - int(num_drafts[i]):end] = drafts[states[i].seq_id]
+    if drafts:
+        for i in np.flatnonzero(num_drafts).tolist():
+            end = int(query_start_loc[i + 1])
+            input_ids[end - int(num_drafts[i]):end] = drafts[states[i].seq_id]
     pending_rows = np.flatnonzero(known_end < inputs_end)
     num_pending = len(pending_rows)
-    pending_dst = buf.pending_dst[:num_pending]
-    pending_dst[:] = query_start_loc[pending_rows + 1] - 1 - num_drafts[pending_rows]  # each one's last input
-    input_ids[pending_dst] = 0
-    buf.pending_src[:num_pending] = [last_sampled_rows[states[i].seq_id] for i in pending_rows.tolist()]
+    if num_pending:
+        pending_dst = buf.pending_dst[:num_pending]
+        pending_dst[:] = query_start_loc[pending_rows + 1] - 1 - num_drafts[pending_rows]  # each one's last input
+        input_ids[pending_dst] = 0
+        buf.pending_src[:num_pending] = [last_sampled_rows[states[i].seq_id] for i in pending_rows.tolist()]
     width = host.block_tables.write(states)  # only what changed since this host set last held them
     block_tables = buf.block_tables
     buf.slot_mapping[:num_tokens] = (
-        block_tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs)
+        block_tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs)
     buf.seq_lens[:num_seqs] = seq_lens
     # The sampled rows' last tokens, in the scheduler's order (the order of the results); a
     # row with drafts also its last known token and each draft but the last (the positions
     # that verify the drafts), then the last one (its next token's, the "bonus").
-    logits_indices = query_start_loc[rows.sample_rows + 1] - 1
-    if drafts:
-        per_row = num_drafts[rows.sample_rows] + 1  # positions sampled per row
-        offsets = np.arange(per_row.sum()) - np.repeat(np.cumsum(per_row) - per_row, per_row)  # 0, 1, .. in each
-        logits_indices = np.repeat(logits_indices + 1 - per_row, per_row) + offsets
+    logits_indices = rows.logits_indices
     buf.logits_indices[:len(logits_indices)] = logits_indices
     num_decodes = rows.num_decodes
     shared_blocks = 0
@@ -136,15 +131,9 @@ def prepare_step_inputs(rows: StepRows, host: HostSet, block_size: int,
                                                        if num_tokens == num_seqs else num_tokens)
     # Rank 0 uploads whole block-table rows; the other ranks get only the columns in use
     # (the rest are zeros), which keeps long-context messages small.
-    arrays = StepFields(
-        input_ids=buf.input_ids[:used_tokens], positions=buf.positions[:used_tokens],
-        slot_mapping=buf.slot_mapping[:used_tokens], query_start_loc=query_start_loc[:used_rows + 1],
-        seq_lens=buf.seq_lens[:used_rows], block_tables=block_tables[:used_rows, :width],
-        logits_indices=buf.logits_indices[:len(logits_indices)], pending_dst=buf.pending_dst[:num_pending],
-        pending_src=buf.pending_src[:num_pending],
-        num_shared_prefix_blocks=buf.num_shared_prefix_blocks[:1 if shared_blocks else 0])
     return StepInputs(
-        arrays=arrays,
+        arrays=host.used_rows(used_tokens, used_rows, width, len(logits_indices), num_pending,
+                              1 if shared_blocks else 0),
         max_query_len=int(num_new.max()),
         max_seq_len=int(seq_lens.max()),
         num_decodes=num_decodes,
