@@ -139,7 +139,8 @@ def test_specs() -> None:
 
 def test_bitmask_on_logits_matches_xgrammar() -> None:
     """apply_token_bitmask masks what xgrammar's own kernel masks: all rows, or some rows (the
-    others untouched), with a vocabulary that does not fill the last word."""
+    others untouched), with a vocabulary that does not fill the last word or one wider than the
+    bitmask."""
     import xgrammar as xgr
 
     generator = torch.Generator().manual_seed(0)
@@ -164,6 +165,14 @@ def test_bitmask_on_logits_matches_xgrammar() -> None:
     want = wide[:, :128].clone()
     xgr.apply_token_bitmask_inplace(want, bitmask)
     assert torch.equal(got[:, :128], want) and torch.isneginf(got[:, 128:]).all()
+    # Some rows of those: the others untouched.
+    got = wide.clone()
+    apply_token_bitmask(got, bitmask[rows], torch.tensor(rows).numpy())
+    masked = wide[rows, :128].clone()
+    xgr.apply_token_bitmask_inplace(masked, bitmask[rows])
+    want = wide.clone()
+    want[rows, :128], want[rows, 128:] = masked, -math.inf
+    assert torch.equal(got, want)
 
 
 def test_min_tokens_does_not_block_a_row_with_nothing_else_left() -> None:
