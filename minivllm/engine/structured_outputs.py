@@ -40,9 +40,13 @@ logger = logging.getLogger(__name__)
 # Compiled grammars kept by spec (xgrammar's compiler keeps its own cache besides, in bytes).
 GRAMMAR_CACHE_SIZE = 128
 XGRAMMAR_CACHE_BYTES = 512 * 2**20
-# From this many guided rows a step fills their masks on xgrammar's threads
-# (BatchGrammarMatcher); fewer, one matcher at a time (benchmarks/kernels/grammar_bitmask.py).
-BATCH_FILL_MIN_ROWS = 16
+# A step's masks are filled in one call of xgrammar's BatchGrammarMatcher: on one thread, a loop
+# in C++ (cheaper than a call per matcher, from one row on); on more, xgrammar 0.2.9 starts that
+# many threads anew at every call, tens of microseconds each, about what filling a few dozen rows
+# takes. So a step takes a thread per ROWS_PER_FILL_THREAD rows, up to half the cores (xgrammar's
+# "auto", which starts them all whatever the batch). benchmarks/kernels/grammar_bitmask.py
+# --threads times both.
+ROWS_PER_FILL_THREAD = 64
 
 
 class ReasoningEnd(Protocol):
@@ -100,7 +104,8 @@ class StructuredOutputManager:
         self._compiling: dict[str, _Compiling] = {}  # by request id
         self.guided: dict[int, _Guided] = {}  # by seq id: the sequences whose grammar is compiled
         self._bitmask: torch.Tensor | None = None
-        self._batch_matcher: xgr.BatchGrammarMatcher | None = None
+        self._max_fill_threads = max(1, (os.cpu_count() or 2) // 2)
+        self._batch_matchers: dict[int, xgr.BatchGrammarMatcher] = {}  # by thread count
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -265,13 +270,11 @@ class StructuredOutputManager:
         """Fill bitmask row rows[i] (i where rows is None) with matchers[i]'s next-token mask."""
         import xgrammar as xgr
 
-        if len(matchers) >= BATCH_FILL_MIN_ROWS:
-            if self._batch_matcher is None:
-                self._batch_matcher = xgr.BatchGrammarMatcher()
-            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
-        else:
-            for i, matcher in enumerate(matchers):
-                matcher.fill_next_token_bitmask(bitmask, i if rows is None else rows[i])
+        threads = max(1, min(len(matchers) // ROWS_PER_FILL_THREAD, self._max_fill_threads))
+        batch = self._batch_matchers.get(threads)
+        if batch is None:
+            batch = self._batch_matchers[threads] = xgr.BatchGrammarMatcher(threads)
+        batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
 
     def _bitmask_along_drafts(self, rows: GuidedRows) -> GrammarBitmask | None:
         """bitmask for a step with draft tokens: the masked positions' rows, in order."""
