@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.kernels.host_step import timed
 from benchmarks.schemas import w6_schema
 
 # Per step, the time of each timed piece within it; the step being run.
@@ -47,18 +48,13 @@ HOST_LABELS = ("schedule", "prepare_forward", "guided_rows", "bitmask", "samplin
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
 
-def timed(owner: Any, name: str, label: str) -> None:
-    """Add the wall time of every call of owner.name to the current step's label."""
-    original: Callable[..., Any] = getattr(owner, name)
+def add_to_step(label: str) -> Callable[[float], None]:
+    """A recorder (host_step.timed's) that adds to the current step's label."""
 
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            CURRENT[label] = CURRENT.get(label, 0.0) + time.perf_counter() - start
+    def record(seconds: float) -> None:
+        CURRENT[label] = CURRENT.get(label, 0.0) + seconds
 
-    setattr(owner, name, wrapper)
+    return record
 
 
 def instrument(coarse: bool) -> None:
@@ -100,7 +96,7 @@ def instrument(coarse: bool) -> None:
                    (StructuredOutputManager, "bitmask", "bitmask"),
                    (StructuredOutputManager, "accept", "accept")]
     for owner, name, label in pieces:
-        timed(owner, name, label)
+        timed(owner, name, add_to_step(label))
     schedule, step = Scheduler.schedule, LLMEngine.step
 
     def scheduled(self: Scheduler) -> Any:
