@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams, StructuredOutputsParams
+from minivllm.engine import structured_outputs
 from minivllm.engine.grammar_spec import GrammarSpec, check_structured_outputs
-from minivllm.engine.structured_outputs import BATCH_FILL_MIN_ROWS, StructuredOutputManager
+from minivllm.engine.structured_outputs import StructuredOutputManager
 from minivllm.layers.sampler import apply_token_bitmask, block_stop_tokens
 from minivllm.outputs import RequestOutput
 from tests.conftest import TinyModelFactory
@@ -139,7 +140,8 @@ def test_specs() -> None:
 
 def test_bitmask_on_logits_matches_xgrammar() -> None:
     """apply_token_bitmask masks what xgrammar's own kernel masks: all rows, or some rows (the
-    others untouched), with a vocabulary that does not fill the last word."""
+    others untouched), with a vocabulary that does not fill the last word or one wider than the
+    bitmask."""
     import xgrammar as xgr
 
     generator = torch.Generator().manual_seed(0)
@@ -164,6 +166,14 @@ def test_bitmask_on_logits_matches_xgrammar() -> None:
     want = wide[:, :128].clone()
     xgr.apply_token_bitmask_inplace(want, bitmask)
     assert torch.equal(got[:, :128], want) and torch.isneginf(got[:, 128:]).all()
+    # Some rows of those: the others untouched.
+    got = wide.clone()
+    apply_token_bitmask(got, bitmask[rows], torch.tensor(rows).numpy())
+    masked = wide[rows, :128].clone()
+    xgr.apply_token_bitmask_inplace(masked, bitmask[rows])
+    want = wide.clone()
+    want[rows, :128], want[rows, 128:] = masked, -math.inf
+    assert torch.equal(got, want)
 
 
 def test_min_tokens_does_not_block_a_row_with_nothing_else_left() -> None:
@@ -216,10 +226,12 @@ def test_json_object(llm: LLM) -> None:
     assert all(len(c.token_ids) == 60 for o in outputs for c in o.outputs if c.finish_reason != "stop")
 
 
-def test_batch_fill_of_many_rows(llm: LLM) -> None:
-    """Enough guided rows in a step for BatchGrammarMatcher's fill, and each n = 8 sample its
-    own; all against the one-at-a-time fill of a single request (seeded: the same tokens)."""
-    n = BATCH_FILL_MIN_ROWS // 2
+def test_masks_filled_on_threads(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's 16 guided rows (n = 8 samples of two requests) filled on two of xgrammar's
+    threads, each sample its own: the same tokens as a request alone, filled on one (seeded)."""
+    monkeypatch.setattr(structured_outputs, "ROWS_PER_FILL_THREAD", 8)
+    monkeypatch.setattr(llm.llm_engine.structured_outputs, "_max_fill_threads", 2)
+    n = 8
     params = SamplingParams(max_tokens=40, temperature=1.0, seed=3, n=n, structured_outputs=CASES["regex"][0])
     together = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     alone = [llm.generate(prompt, SamplingParams(max_tokens=40, temperature=1.0, seed=3, n=1,

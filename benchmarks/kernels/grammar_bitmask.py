@@ -2,9 +2,9 @@
 
 B sequences of one JSON schema (an object with a bounded string, a bounded integer, an enum, an
 array and a nested object), each advanced to its own point of a valid answer, fill their rows of
-the bitmask the way StructuredOutputManager.bitmask can: one GrammarMatcher after another, or
-xgrammar's BatchGrammarMatcher (its threads: `--threads`, default xgrammar's own choice, half
-the machine's cores). Its crossover sets BATCH_FILL_MIN_ROWS (minivllm/engine/structured_outputs.py).
+the bitmask one GrammarMatcher after another, or in one call of xgrammar's BatchGrammarMatcher
+(its threads: `--threads`, default xgrammar's own choice, half the machine's cores; it starts
+them anew at every call). It sets ROWS_PER_FILL_THREAD (minivllm/engine/structured_outputs.py).
 
     python -m benchmarks.kernels.grammar_bitmask [--tokenizer smollm2|PATH] [--batch-sizes 1 16 64 256]
 

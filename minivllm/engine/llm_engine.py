@@ -18,7 +18,7 @@ from minivllm.engine.metrics import MAX_LISTED_REQUESTS, EngineSnapshot, Request
 from minivllm.engine.ngram_proposer import NgramProposer
 from minivllm.engine.scheduler import DraftProposer, Scheduler
 from minivllm.engine.sequence import Sequence, SequenceStatus
-from minivllm.engine.structured_outputs import GuidedRow, StructuredOutputManager
+from minivllm.engine.structured_outputs import GuidedRows, StructuredOutputManager
 from minivllm.engine.suffix_proposer import SuffixProposer
 from minivllm.executor.model_runner import ForwardPass, ModelRunner, StepHandle, TokenLogprobs
 from minivllm.executor.worker import Workers
@@ -135,7 +135,7 @@ class LLMEngine:
         self.in_flight: StepHandle | None = None  # the launched step not yet read back
         # A step whose forward pass is queued and whose sampling waits for the grammar masks of
         # its guided rows.
-        self.awaiting_masks: tuple[ForwardPass, list[GuidedRow]] | None = None
+        self.awaiting_masks: tuple[ForwardPass, GuidedRows] | None = None
         self.failure: BaseException | None = None  # what broke a step (the engine is then unusable)
         self._request_counter = itertools.count()
         # Tokens processed, for the progress bar's live rates.
@@ -346,8 +346,8 @@ class LLMEngine:
             if self.awaiting_masks is not None:
                 self.in_flight = self._launch_masked_sampling()
             forward = self.model_runner.launch_forward(prepared) if prepared is not None else None
-            guided_rows = self.structured_outputs.guided_rows(scheduled) if self.structured_outputs.guided else []
-            if forward is not None and guided_rows:
+            guided_rows = self.structured_outputs.guided_rows(scheduled) if self.structured_outputs.guided else None
+            if forward is not None and guided_rows is not None:
                 self.awaiting_masks = (forward, guided_rows)
             elif forward is not None:
                 launched = self.model_runner.launch_sampling(forward)

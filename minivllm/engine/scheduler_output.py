@@ -84,6 +84,8 @@ class GrammarBitmask:
     token (and rows not listed) stays as it is."""
 
     # int64: the masked positions among the step's sampled logits (a row with d draft tokens
-    # samples 1 + d positions, in the scheduler's order of rows), one per bitmask row.
-    rows: np.ndarray
-    bitmask: torch.Tensor  # int32 [len(rows), ceil(vocab_size / 32)] on the host (pinned where CUDA copies it)
+    # samples 1 + d positions, in the scheduler's order of rows), one per bitmask row; None:
+    # every sampled position, in order.
+    rows: np.ndarray | None
+    # int32 [rows or sampled positions, ceil(vocab_size / 32)] on the host (pinned where CUDA copies it)
+    bitmask: torch.Tensor

@@ -16,6 +16,7 @@ of each new token alone); the grammar applies to the tokens after that.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections import OrderedDict
@@ -39,9 +40,13 @@ logger = logging.getLogger(__name__)
 # Compiled grammars kept by spec (xgrammar's compiler keeps its own cache besides, in bytes).
 GRAMMAR_CACHE_SIZE = 128
 XGRAMMAR_CACHE_BYTES = 512 * 2**20
-# From this many guided rows a step fills their masks on xgrammar's threads
-# (BatchGrammarMatcher); fewer, one matcher at a time (benchmarks/kernels/grammar_bitmask.py).
-BATCH_FILL_MIN_ROWS = 16
+# A step's masks are filled in one call of xgrammar's BatchGrammarMatcher: on one thread, a loop
+# in C++ (cheaper than a call per matcher, from one row on); on more, xgrammar 0.2.9 starts that
+# many threads anew at every call, tens of microseconds each, about what filling a few dozen rows
+# takes. So a step takes a thread per ROWS_PER_FILL_THREAD rows, up to half the cores (xgrammar's
+# "auto", which starts them all whatever the batch). benchmarks/kernels/grammar_bitmask.py
+# --threads times both.
+ROWS_PER_FILL_THREAD = 64
 
 
 class ReasoningEnd(Protocol):
@@ -56,15 +61,20 @@ class _Guided:
 
     matcher: xgr.GrammarMatcher
     reasoning_ended: bool  # until then the sequence is free text, its matcher untouched
+    # The matcher's stop tokens: only one of them can end (terminate) it.
+    stop_token_ids: frozenset[int]
 
 
 @dataclass(frozen=True, slots=True)
-class GuidedRow:
-    """A guided sequence's row in a step: where its sampled positions start, and its drafts."""
+class GuidedRows:
+    """A step's sampled rows of guided sequences, in its order: their ids, each one's first
+    position among the step's sampled positions (a row with d draft tokens samples 1 + d) and
+    its drafts ([] for every row where the step has none); and how many positions it samples."""
 
-    position: int
-    seq_id: int
-    drafts: list[int]
+    seq_ids: list[int]
+    positions: list[int]
+    drafts: list[list[int]]
+    num_positions: int
 
 
 @dataclass(slots=True)
@@ -94,7 +104,8 @@ class StructuredOutputManager:
         self._compiling: dict[str, _Compiling] = {}  # by request id
         self.guided: dict[int, _Guided] = {}  # by seq id: the sequences whose grammar is compiled
         self._bitmask: torch.Tensor | None = None
-        self._batch_matcher: xgr.BatchGrammarMatcher | None = None
+        self._max_fill_threads = max(1, (os.cpu_count() or 2) // 2)
+        self._batch_matchers: dict[int, xgr.BatchGrammarMatcher] = {}  # by thread count
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -170,7 +181,8 @@ class StructuredOutputManager:
             # there are none: ignore_eos without stop_token_ids).
             stop_token_ids = sorted(t for t in seq.params.all_stop_token_ids if t < self.vocab_size) or None
             ended = self.reasoner is None or self.reasoner.is_reasoning_end(seq.prompt_token_ids)
-            self.guided[seq.seq_id] = _Guided(xgr.GrammarMatcher(grammar, override_stop_tokens=stop_token_ids), ended)
+            matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=stop_token_ids)
+            self.guided[seq.seq_id] = _Guided(matcher, ended, frozenset(matcher.stop_token_ids))
 
     def remove(self, request_id: str, seqs: list[Sequence]) -> None:
         """Forget a request (finished or aborted), compiled or not."""
@@ -180,76 +192,129 @@ class StructuredOutputManager:
 
     # --- steps ------------------------------------------------------------------------------
 
-    def guided_rows(self, out: SchedulerOutput) -> list[GuidedRow]:
-        """The step's sampled rows of guided sequences, each with its first position among the
-        step's sampled positions (a row with d draft tokens samples 1 + d) and its drafts."""
+    def guided_rows(self, out: SchedulerOutput) -> GuidedRows | None:
+        """The step's sampled rows of guided sequences; None where it has none."""
         guided, drafts = self.guided, out.draft_token_ids
-        rows = []
-        position = 0
-        for seq_id, samples in zip(out.seq_ids, out.samples):
-            if samples:
-                row_drafts = drafts.get(seq_id, []) if drafts else []
-                if seq_id in guided:
-                    rows.append(GuidedRow(position, seq_id, row_drafts))
-                position += 1 + len(row_drafts)
-        return rows
+        if drafts:
+            seq_ids, positions, row_drafts = [], [], []
+            position = 0
+            for seq_id, samples in zip(out.seq_ids, out.samples):
+                if samples:
+                    these = drafts.get(seq_id, [])
+                    if seq_id in guided:
+                        seq_ids.append(seq_id)
+                        positions.append(position)
+                        row_drafts.append(these)
+                    position += 1 + len(these)
+            return GuidedRows(seq_ids, positions, row_drafts, position) if seq_ids else None
+        # (The common step, without drafts: a position per sampled row; comprehensions, as the
+        # rows of a whole batch pass here every step.)
+        sampled = list(itertools.compress(out.seq_ids, out.samples))
+        positions = [i for i, seq_id in enumerate(sampled) if seq_id in guided]
+        if not positions:
+            return None
+        seq_ids = sampled if len(positions) == len(sampled) else [sampled[i] for i in positions]
+        return GuidedRows(seq_ids, positions, [], len(sampled))
 
-    def bitmask(self, rows: list[GuidedRow]) -> GrammarBitmask | None:
+    def bitmask(self, rows: GuidedRows) -> GrammarBitmask | None:
         """The next-token masks of guided_rows' positions, from their matchers as they stand
         (after the tokens read back so far); None when none is masked (finished since, or still
         reasoning). A row's draft tokens are fed to its matcher one by one, each position's mask
         taken after the drafts before it, and taken back after: the mask where a draft breaks
         the grammar forbids that draft, so nothing past it is kept. The bitmask is one pinned
         buffer, rewritten each step: the engine reads a step back, which waits for its copy of
-        the bitmask, before it asks for the next one."""
+        the bitmask, before it asks for the next one.
+
+        A sequence whose grammar has ended is forgotten (accept), so a row without a matcher is
+        one whose sequence has finished since it was scheduled: its token is dropped. Where
+        every position of the step is a guided row's, without drafts, and none reasons, the
+        bitmask has a row per position (GrammarBitmask.rows None, the runner's cheaper case),
+        and such a row allows every token."""
+        if rows.drafts:
+            return self._bitmask_along_drafts(rows)
+        guided = self.guided
+        matchers, filled, dropped = [], [], []
+        every_position = rows.num_positions == len(rows.seq_ids)
+        for position, seq_id in zip(rows.positions, rows.seq_ids):
+            entry = guided.get(seq_id)
+            if entry is None:
+                dropped.append(position)
+            elif entry.reasoning_ended:
+                matchers.append(entry.matcher)
+                filled.append(position)
+            else:  # free text until its reasoning ends: never masked
+                every_position = False
+        if not matchers:
+            return None
+        if every_position:  # bitmask row = position
+            bitmask = self._buffer(rows.num_positions)
+            self._fill(matchers, bitmask, None if len(matchers) == rows.num_positions else filled)
+            for position in dropped:
+                bitmask[position] = -1
+            return GrammarBitmask(None, bitmask[:rows.num_positions])
+        bitmask = self._buffer(len(matchers))
+        self._fill(matchers, bitmask, None)
+        return GrammarBitmask(np.array(filled, dtype=np.int64), bitmask[:len(matchers)])
+
+    def _buffer(self, num_rows: int) -> torch.Tensor:
+        """The pinned bitmask buffer, at least num_rows rows."""
         import xgrammar as xgr
 
-        positions, matchers, drafted = [], [], []
-        for row in rows:
-            guided = self.guided.get(row.seq_id)
-            if guided is None:
-                continue
-            if row.drafts:
-                drafted.append((row, guided))
-            elif guided.reasoning_ended and not guided.matcher.is_terminated():
-                positions.append(row.position)
-                matchers.append(guided.matcher)
-        num_masks = len(matchers) + sum(1 + len(row.drafts) for row, _ in drafted)
-        if not num_masks:
-            return None
-        if self._bitmask is None or len(self._bitmask) < num_masks:
-            self._bitmask = xgr.allocate_token_bitmask(max(self.max_num_seqs, num_masks), self.vocab_size)
+        if self._bitmask is None or len(self._bitmask) < num_rows:
+            self._bitmask = xgr.allocate_token_bitmask(max(self.max_num_seqs, num_rows), self.vocab_size)
             if self.pin_memory:
                 self._bitmask = self._bitmask.pin_memory()
-        bitmask = self._bitmask
-        if len(matchers) >= BATCH_FILL_MIN_ROWS:
-            if self._batch_matcher is None:
-                self._batch_matcher = xgr.BatchGrammarMatcher()
-            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask[:len(matchers)])
-        else:
-            for i, matcher in enumerate(matchers):
-                matcher.fill_next_token_bitmask(bitmask, i)
-        for row, guided in drafted:
-            positions += self._fill_along_drafts(row, guided, bitmask, len(positions))
+        return self._bitmask
+
+    def _fill(self, matchers: list[xgr.GrammarMatcher], bitmask: torch.Tensor, rows: list[int] | None) -> None:
+        """Fill bitmask row rows[i] (i where rows is None) with matchers[i]'s next-token mask."""
+        import xgrammar as xgr
+
+        threads = max(1, min(len(matchers) // ROWS_PER_FILL_THREAD, self._max_fill_threads))
+        batch = self._batch_matchers.get(threads)
+        if batch is None:
+            batch = self._batch_matchers[threads] = xgr.BatchGrammarMatcher(threads)
+        batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+
+    def _bitmask_along_drafts(self, rows: GuidedRows) -> GrammarBitmask | None:
+        """bitmask for a step with draft tokens: the masked positions' rows, in order."""
+        positions, matchers, drafted = [], [], []
+        for position, seq_id, drafts in zip(rows.positions, rows.seq_ids, rows.drafts):
+            guided = self.guided.get(seq_id)
+            if guided is None:
+                continue
+            if drafts:
+                drafted.append((position, drafts, guided))
+            elif guided.reasoning_ended:
+                positions.append(position)
+                matchers.append(guided.matcher)
+        num_masks = len(matchers) + sum(1 + len(drafts) for _, drafts, _ in drafted)
+        if not num_masks:
+            return None
+        bitmask = self._buffer(num_masks)
+        self._fill(matchers, bitmask, None)
+        for position, drafts, guided in drafted:
+            positions += self._fill_along_drafts(position, drafts, guided, bitmask, len(positions))
         if not positions:
             return None
         return GrammarBitmask(np.array(positions, dtype=np.int64), bitmask[:len(positions)])
 
-    def _fill_along_drafts(self, row: GuidedRow, guided: _Guided, bitmask: torch.Tensor, first: int) -> list[int]:
-        """Fill bitmask rows from `first` on with the masks of row's positions (the state after
-        the drafts before each), then take the drafts back out of its matcher; the positions
-        filled. A position while reasoning, or past the grammar's end or a draft it refuses,
-        gets no mask (its token is free, or not kept)."""
+    def _fill_along_drafts(self, position: int, drafts: list[int], guided: _Guided, bitmask: torch.Tensor,
+                           first: int) -> list[int]:
+        """Fill bitmask rows from `first` on with the masks of a row's positions (from
+        `position` on; the state after the drafts before each), then take the drafts back out
+        of its matcher; the positions filled. A position while reasoning, or past the grammar's
+        end or a draft it refuses, gets no mask (its token is free, or not kept)."""
         matcher, reasoning_ended = guided.matcher, guided.reasoning_ended
         filled: list[int] = []
         accepted = 0
-        for i in range(len(row.drafts) + 1):
+        for i in range(len(drafts) + 1):
             if reasoning_ended and not matcher.is_terminated():
                 matcher.fill_next_token_bitmask(bitmask, first + len(filled))
-                filled.append(row.position + i)
-            if i == len(row.drafts):
+                filled.append(position + i)
+            if i == len(drafts):
                 break
-            draft = row.drafts[i]
+            draft = drafts[i]
             if not reasoning_ended:
                 reasoning_ended = self.reasoner is None or self.reasoner.is_reasoning_end([draft])
             elif matcher.is_terminated() or not matcher.accept_token(draft):
@@ -278,7 +343,12 @@ class StructuredOutputManager:
             logger.error("Sequence %d of request %s: its grammar does not allow token %d", seq.seq_id,
                          seq.request_id, token)
             return "error"
-        return "stop" if matcher.is_terminated() else None
+        if token in guided.stop_token_ids and matcher.is_terminated():
+            # Its sequence ends here: forgotten now, so that a step's rows need not ask each
+            # matcher whether it has ended.
+            del self.guided[seq.seq_id]
+            return "stop"
+        return None
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -450,8 +450,7 @@ class ModelRunner:
         if sampled_ids:
             assert logits is not None  # rank 0, with sampled rows
             if grammar is not None:
-                # (Every position a guided one: no index to copy and gather by.)
-                apply_token_bitmask(logits, grammar.bitmask, None if len(grammar.rows) == len(logits) else grammar.rows)
+                apply_token_bitmask(logits, grammar.bitmask, grammar.rows)
             sampled = self.sampler(logits, self._sampling_metadata(rows, drafts))
             # The next step reads these on the device, for sequences whose token is still pending
             # (at the positions prepare_forward noted).

@@ -458,21 +458,33 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: np.nd
     every token past the bitmask's width (rows None: row i is logits' row i). Both on the host,
     copied to logits' device without waiting where the bitmask is pinned. xgrammar's layout:
     bit t % 32 of int32 word t // 32 is token t, 1 = allowed; unpacked a byte at a time
-    (little-endian words: byte k holds tokens 8k .. 8k + 7) into one bool per token."""
+    (little-endian words: byte k holds tokens 8k .. 8k + 7) into one bool per token. (Few
+    kernels: each launch is host time in the step that waits for the grammar.)"""
     device = logits.device
     num_rows, vocab_size = bitmask.shape[0], logits.shape[1]
     words = bitmask.to(device, non_blocking=True)
-    bit_shifts = torch.arange(8, dtype=torch.uint8, device=device)  # made there: a copy would wait for the device
-    allowed = words.view(torch.uint8).unsqueeze(-1).bitwise_right_shift(bit_shifts).bitwise_and_(1)
     width = min(vocab_size, bitmask.shape[1] * 32)
-    blocked = allowed.view(num_rows, -1)[:, :width] == 0
+    blocked = (words.view(torch.uint8).unsqueeze(-1) & _bit_values(device)).view(num_rows, -1)[:, :width] == 0
+    index = None if rows is None else to_device(rows, device)
+    masked = logits if index is None else logits[index]
     if width < vocab_size:  # tokens past the bitmask (past the tokenizer's ids): never allowed
-        blocked = torch.cat((blocked, blocked.new_ones(num_rows, vocab_size - width)), dim=1)
-    if rows is None:
-        logits.masked_fill_(blocked, _NEG_INF)
-    else:
-        index = to_device(rows, device)
-        logits[index] = logits[index].masked_fill_(blocked, _NEG_INF)
+        masked[:, width:].fill_(_NEG_INF)
+    masked[:, :width].masked_fill_(blocked, _NEG_INF)
+    if index is not None:
+        logits[index] = masked
+
+
+# Per device: uint8 [8], the value of each bit of a byte (made there once: a copy from the host
+# would wait for the device).
+_BIT_VALUES: dict[torch.device, torch.Tensor] = {}
+
+
+def _bit_values(device: torch.device) -> torch.Tensor:
+    values = _BIT_VALUES.get(device)
+    if values is None:
+        values = _BIT_VALUES[device] = torch.ones(8, dtype=torch.uint8, device=device).bitwise_left_shift_(
+            torch.arange(8, dtype=torch.uint8, device=device))
+    return values
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
