@@ -84,6 +84,12 @@ class Request:
                 and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
 
 
+def _ends_with_stop_token(params: SamplingParams, token: int, num_outputs: int) -> bool:
+    """Whether token, a sequence's num_outputs-th output, is a stop token that ends it (EOS or
+    stop_token_ids, once min_tokens are out)."""
+    return token in params.all_stop_token_ids and num_outputs >= params.min_tokens
+
+
 def _other_ranks(config: EngineConfig) -> "Workers | RayWorkers | None":
     """Ranks 1..N-1 of a tensor-parallel engine, started: processes of this host, or Ray actors."""
     if config.tensor_parallel_size == 1:
@@ -503,7 +509,7 @@ class LLMEngine:
         num_outputs = num_known - seq.num_prompt_tokens
         finish_reason: str | None = None
         stop_reason: int | str | None = None
-        if token in params.all_stop_token_ids and num_outputs >= params.min_tokens:
+        if _ends_with_stop_token(params, token, num_outputs):
             finish_reason = "stop"
             stop_reason = token if token in (params.stop_token_ids or ()) else None  # None: EOS
         elif seq.length_limit_reached(self.config.max_model_len, num_known):
@@ -567,8 +573,7 @@ class LLMEngine:
         num_outputs = detokenizer.num_output_tokens
         for token in seq.token_ids[seq.num_prompt_tokens + num_outputs:]:
             num_outputs += 1
-            detokenizer.update([token], stop_terminated=token in params.all_stop_token_ids
-                               and num_outputs >= params.min_tokens)
+            detokenizer.update([token], stop_terminated=_ends_with_stop_token(params, token, num_outputs))
 
     def _prompt_logprobs(self, request: Request) -> PromptLogprobs:
         """As vLLM's RequestOutput.prompt_logprobs: None for the first prompt token (nothing

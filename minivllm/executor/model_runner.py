@@ -562,7 +562,7 @@ def _output_positions(rows: StepRows, drafts: list[list[int]]) -> np.ndarray:
     if not drafts:
         return last
     # The row starting at first_position[r] samples last[r] - d_r, ..., last[r] (d_r drafts).
-    per_row = np.array([len(row_drafts) + 1 for row_drafts in drafts], dtype=np.int64)
+    per_row = rows.num_drafts[rows.sample_rows] + 1
     return np.repeat(last - per_row + 1 - rows.first_position, per_row) + np.arange(int(per_row.sum()))
 
 

@@ -32,6 +32,7 @@ building the metadata.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -474,17 +475,12 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: np.nd
         logits[index] = masked
 
 
-# Per device: uint8 [8], the value of each bit of a byte (made there once: a copy from the host
-# would wait for the device).
-_BIT_VALUES: dict[torch.device, torch.Tensor] = {}
-
-
+@functools.cache
 def _bit_values(device: torch.device) -> torch.Tensor:
-    values = _BIT_VALUES.get(device)
-    if values is None:
-        values = _BIT_VALUES[device] = torch.ones(8, dtype=torch.uint8, device=device).bitwise_left_shift_(
-            torch.arange(8, dtype=torch.uint8, device=device))
-    return values
+    """uint8 [8] on device: the value of each bit of a byte (made there, once: a copy from the
+    host would wait for the device)."""
+    return torch.ones(8, dtype=torch.uint8, device=device).bitwise_left_shift_(
+        torch.arange(8, dtype=torch.uint8, device=device))
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
